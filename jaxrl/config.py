@@ -1,0 +1,335 @@
+"""Validation of run configs against the schema in `jaxrl.configs.default`.
+
+`validate` runs before anything is compiled and reports every problem at once: schema (unknown
+and missing keys), types, value ranges, the device mesh, and cross-key divisibility. It never
+imports jax; the caller passes the device count.
+
+`parse_overrides` applies `--config.a.b=value` command-line overrides. It exists because
+`ml_collections.config_flags` reports an unknown override key as a bare traceback naming only
+the leaf (`AttributeError: "'nonexistent'"`) and stops at the first bad override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from jaxrl.configs import default as default_config
+
+DTYPES = ("float32", "bfloat16", "float16")
+_MESH_AXES = ("data", "fsdp", "tensor")
+_PREFIX = "config."
+
+
+class ConfigError(ValueError):
+  """All problems found in a config; one line each, starting with the full `config.` key."""
+
+  def __init__(self, problems: list[str]):
+    self.problems = list(problems)
+    n = len(self.problems)
+    head = f"{n} problem{'s' if n != 1 else ''} found in config:"
+    super().__init__("\n".join([head, *self.problems]))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+  data: int
+  fsdp: int
+  tensor: int
+
+  @property
+  def size(self) -> int:
+    return self.data * self.fsdp * self.tensor
+
+
+def _gt(lo):
+  return lambda v: v > lo, f"> {lo}"
+
+
+def _ge(lo):
+  return lambda v: v >= lo, f">= {lo}"
+
+
+def _in(lo, hi, lo_open=False, hi_open=False):
+  pred = lambda v: (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+  return pred, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def _one_of(choices):
+  return lambda v: v in choices, f"one of {sorted(choices)}"
+
+
+# (key, (predicate, requirement)); checked only when the key exists with the right type.
+_RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
+    ("seed", _ge(0)),
+    ("log_every", _ge(1)),
+    *((f"model.{k}", _ge(1)) for k in
+      ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")),
+    ("model.vocab_size", _ge(0)),
+    ("model.head_dim", (lambda v: v % 2 == 0, "even (RoPE rotates pairs of dims)")),
+    ("model.rope_theta", _gt(0)),
+    ("model.rms_eps", _gt(0)),
+    ("model.param_dtype", _one_of(DTYPES)),
+    ("model.dtype", _one_of(DTYPES)),
+    ("model.init_std", _gt(0)),
+    ("task.num_digits", _in(1, 9)),
+    ("task.dev_size", _ge(1)),
+    ("task.val_size", _ge(1)),
+    ("sft.learning_rate", _gt(0)),
+    ("sft.batch_size", _ge(1)),
+    ("sft.stop_accuracy", _in(0, 1)),
+    ("sft.eval_every", _ge(1)),
+    ("sft.max_steps", _ge(0)),
+    ("rollout.num_prompts", _ge(1)),
+    ("rollout.group_size", (lambda v: v >= 2, ">= 2 (group-normalised advantages need 2)")),
+    ("rollout.max_prompt_len", _ge(1)),
+    ("rollout.max_new_tokens", _ge(1)),
+    ("rollout.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
+    ("rollout.top_k", _ge(0)),
+    ("rollout.top_p", _in(0, 1, lo_open=True)),
+    ("train.steps", _ge(0)),
+    ("train.learning_rate", _gt(0)),
+    ("train.b1", _in(0, 1, hi_open=True)),
+    ("train.b2", _in(0, 1, hi_open=True)),
+    ("train.weight_decay", _ge(0)),
+    ("train.grad_clip", _gt(0)),
+    ("train.num_microbatches", _ge(1)),
+    ("loss.clip_eps", _gt(0)),
+    ("loss.adv_eps", _ge(0)),
+    ("eval.every", _ge(1)),
+    ("eval.batch_size", _ge(1)),
+    *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in _MESH_AXES),
+]
+
+
+def _is_section(v: Any) -> bool:
+  return isinstance(v, (ConfigDict, Mapping))
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+  """Dotted path -> value, for sections and leaves alike."""
+  out = {}
+  for k, v in cfg.items():
+    out[prefix + k] = v
+    if _is_section(v):
+      out.update(_flatten(v, f"{prefix}{k}."))
+  return out
+
+
+def _type_ok(value: Any, ref: Any) -> bool:
+  # bool is a subclass of int in Python, so it is excluded explicitly both ways.
+  if isinstance(ref, bool):
+    return isinstance(value, bool)
+  if isinstance(ref, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(ref, float):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  return isinstance(value, type(ref))
+
+
+def _describe(value: Any) -> str:
+  return "a section" if _is_section(value) else f"{type(value).__name__} {value!r}"
+
+
+def _unknown(path: str, known: Collection[str]) -> str:
+  msg = f"{_PREFIX}{path}: unknown key"
+  close = difflib.get_close_matches(path, list(known), n=1)
+  return msg + (f"; did you mean {_PREFIX}{close[0]}?" if close else "")
+
+
+def _check_schema(cfg: Any, ref: Any, known: Collection[str], prefix: str,
+                  problems: list[str], good: dict[str, Any]) -> None:
+  """Compares keys and types recursively; correctly typed leaves are collected in `good`."""
+  for k, v in cfg.items():
+    path = prefix + k
+    if k not in ref:
+      problems.append(_unknown(path, known))
+    elif _is_section(ref[k]) != _is_section(v):
+      want = "a section" if _is_section(ref[k]) else type(ref[k]).__name__
+      problems.append(f"{_PREFIX}{path}: expected {want}, got {_describe(v)}")
+    elif _is_section(v):
+      _check_schema(v, ref[k], known, path + ".", problems, good)
+    elif not _type_ok(v, ref[k]):
+      problems.append(
+          f"{_PREFIX}{path}: expected {type(ref[k]).__name__}, got {_describe(v)}")
+    elif isinstance(v, float) and not math.isfinite(v):
+      problems.append(f"{_PREFIX}{path}: must be finite, got {v!r}")
+    else:
+      good[path] = v
+  for k in ref.keys():
+    if k not in cfg:
+      problems.append(f"{_PREFIX}{prefix}{k}: missing key")
+
+
+def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -> MeshShape | None:
+  wild = [a for a in _MESH_AXES if axes[a] == -1]
+  shape = ", ".join(f"{a}={axes[a]}" for a in _MESH_AXES)
+  if len(wild) > 1:
+    problems.append(f"{_PREFIX}mesh: at most one axis may be -1, got ({shape})")
+    return None
+  if wild:
+    rest = math.prod(axes[a] for a in _MESH_AXES if a != wild[0])
+    if num_devices % rest:
+      problems.append(
+          f"{_PREFIX}mesh.{wild[0]}: -1 cannot be resolved: {num_devices} devices are not "
+          f"divisible by the product of the other axes ({shape}, product {rest})")
+      return None
+    axes = {**axes, wild[0]: num_devices // rest}
+  mesh = MeshShape(**axes)
+  if num_devices % mesh.size:
+    problems.append(
+        f"{_PREFIX}mesh: shape (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
+        f"uses {mesh.size} devices, which does not divide the {num_devices} available")
+    return None
+  return mesh
+
+
+def validate(cfg: ConfigDict, num_devices: int,
+             task_names: Collection[str] | None = None) -> MeshShape:
+  """Checks `cfg` completely and returns the resolved mesh shape.
+
+  A config file must start from `jaxrl.configs.default.get_config()` and change values: keys
+  absent from the default are rejected as unknown, and keys of the default absent from `cfg`
+  are reported as missing rather than filled in, so a run's saved config is always complete.
+
+  Args:
+    cfg: the config to check.
+    num_devices: number of devices the run will use (`jax.device_count()` in the caller).
+    task_names: known task names; `task.name` is not checked when None.
+
+  Returns:
+    The mesh shape with a -1 axis resolved against `num_devices`.
+
+  Raises:
+    ConfigError: listing every problem found, one per line.
+  """
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+  ref = default_config.get_config()
+  problems: list[str] = []
+  good: dict[str, Any] = {}
+  _check_schema(cfg, ref, _flatten(ref).keys(), "", problems, good)
+
+  rules = list(_RULES)
+  if task_names is not None:
+    rules.append(("task.name", _one_of(set(task_names))))
+  for key, (pred, requirement) in rules:
+    if key in good and not pred(good[key]):
+      problems.append(f"{_PREFIX}{key}: must be {requirement}, got {good[key]!r}")
+      del good[key]  # a bad value takes no part in the cross-key checks below
+
+  def have(*keys: str) -> bool:
+    return all(k in good for k in keys)
+
+  if have("model.num_heads", "model.num_kv_heads") and \
+      good["model.num_heads"] % good["model.num_kv_heads"]:
+    problems.append(
+        f"{_PREFIX}model.num_heads: must be divisible by {_PREFIX}model.num_kv_heads, got "
+        f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
+
+  mesh = None
+  if have(*(f"mesh.{a}" for a in _MESH_AXES)):
+    mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in _MESH_AXES}, num_devices, problems)
+  batch_shards = f"{_PREFIX}mesh.data * {_PREFIX}mesh.fsdp"
+
+  if have("rollout.num_prompts", "rollout.group_size", "train.num_microbatches"):
+    p, g, m = (good[k] for k in
+               ("rollout.num_prompts", "rollout.group_size", "train.num_microbatches"))
+    rl_batch = f"{_PREFIX}rollout.num_prompts * {_PREFIX}rollout.group_size"
+    if (p * g) % m:
+      problems.append(
+          f"{_PREFIX}train.num_microbatches: must divide the RL batch {rl_batch} "
+          f"= {p} * {g} = {p * g}, got {m}")
+    elif mesh and (p * g // m) % (mesh.data * mesh.fsdp):
+      problems.append(
+          f"{_PREFIX}train.num_microbatches: each micro-batch ({rl_batch} / "
+          f"{_PREFIX}train.num_microbatches = {p * g} / {m} = {p * g // m}) must be divisible "
+          f"by {batch_shards} = {mesh.data * mesh.fsdp}, since the batch axis is sharded "
+          "over both")
+  for key in ("sft.batch_size", "eval.batch_size"):
+    if mesh and have(key) and good[key] % (mesh.data * mesh.fsdp):
+      problems.append(
+          f"{_PREFIX}{key}: must be divisible by {batch_shards} = {mesh.data * mesh.fsdp} "
+          f"(the batch axis is sharded over both), got {good[key]}")
+
+  if problems:
+    raise ConfigError(problems)
+  assert mesh is not None
+  return mesh
+
+
+def to_dict(cfg: ConfigDict) -> dict[str, Any]:
+  """Plain nested dict (references resolved), e.g. for writing the resolved config as JSON."""
+  return cfg.to_dict()
+
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _parse_value(text: str, ref: Any) -> Any:
+  """Parses `text` as the type of the default value `ref`; raises ValueError with a reason."""
+  if isinstance(ref, bool):
+    if text.lower() in _TRUE + _FALSE:
+      return text.lower() in _TRUE
+    raise ValueError(f"expected bool (true/false/1/0), got {text!r}")
+  if isinstance(ref, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise ValueError(f"expected int, got {text!r}") from None
+  if isinstance(ref, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(f"expected float, got {text!r}") from None
+  return text
+
+
+def parse_overrides(cfg: ConfigDict, argv: list[str]) -> ConfigDict:
+  """Returns a copy of `cfg` with `--config.a.b=value` arguments from `argv` applied.
+
+  Values are parsed by the type of the key in `jaxrl.configs.default` (int, float, bool as
+  true/false/1/0 in any case, str verbatim). Arguments not starting with `--config.` are
+  ignored, so `argv` may be the full command line. Later overrides of the same key win.
+
+  absl must not see the overrides: `DEFINE_config_file` scans `sys.argv` for them when it is
+  defined, so pass it `sys_argv=sys.argv[:1]` and give `app.run` a `flags_parser` that drops
+  `--config.*` arguments before calling `flags.FLAGS(...)`.
+
+  Raises:
+    ConfigError: naming every bad override (unknown key, section, unparsable value, no `=`).
+  """
+  known = _flatten(default_config.get_config())
+  out = cfg.to_dict()  # plain dicts: ConfigDict refuses a float into a field holding an int
+  problems = []
+  for arg in argv:
+    if not arg.startswith("--" + _PREFIX):
+      continue
+    path, sep, text = arg[len("--" + _PREFIX):].partition("=")
+    if path not in known:
+      problems.append(_unknown(path, known))
+    elif _is_section(known[path]):
+      problems.append(f"{_PREFIX}{path}: is a section; override its keys one by one")
+    elif not sep:
+      problems.append(f"{_PREFIX}{path}: override needs a value, as in {arg}=VALUE")
+    else:
+      try:
+        value = _parse_value(text, known[path])
+      except ValueError as e:
+        problems.append(f"{_PREFIX}{path}: {e} (from {arg})")
+        continue
+      *parents, leaf = path.split(".")
+      node = out
+      for p in parents:
+        node = node.setdefault(p, {}) if isinstance(node, dict) else None
+      if isinstance(node, dict):
+        node[leaf] = value
+      # Otherwise the loaded config has a scalar where a section belongs; validate reports it.
+  if problems:
+    raise ConfigError(problems)
+  return ConfigDict(out)

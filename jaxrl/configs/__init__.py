@@ -1,0 +1,1 @@
+"""Recipes: one module per recipe, each with `get_config()` returning a ConfigDict."""

@@ -1,0 +1,84 @@
+"""Default recipe: a tiny decoder learns 2-digit addition on a laptop CPU.
+
+Phase 1 (supervised warm-up) teaches the answer format and stops on purpose as soon as greedy
+accuracy on the `dev` split reaches `sft.stop_accuracy`, so the RL phase starts with headroom.
+Phase 2 is GRPO: `rollout.num_prompts` prompts x `rollout.group_size` samples per step, exact-match
+reward. Reported accuracy is greedy exact match on the held-out `val` split, which neither phase
+trains or stops on.
+
+Every key here is part of the schema: `jaxrl.config.validate` rejects keys that are not in this
+file and values whose type differs from the default's.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+  c = ConfigDict()
+  c.name = "default"  # run name; the run directory is <run_root>/<name>-<timestamp>
+  c.seed = 0  # one seed for init, data order and sampling
+  c.run_dir = ""  # explicit run directory; "" means ./runs/<name>-<timestamp>
+  c.log_every = 10  # progress line / console print period in steps (metrics.jsonl gets every step)
+
+  c.model = ConfigDict()
+  c.model.vocab_size = 0  # 0: taken from the task's tokenizer
+  c.model.d_model = 128
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2  # grouped-query attention: heads share kv heads in groups
+  c.model.head_dim = 32
+  c.model.mlp_dim = 384  # SwiGLU hidden width
+  c.model.rope_theta = 10000.0
+  c.model.rms_eps = 1e-6
+  c.model.qkv_bias = False  # Qwen2 style
+  c.model.qk_norm = False  # Qwen3 style
+  c.model.tie_embeddings = False
+  c.model.param_dtype = "float32"
+  c.model.dtype = "float32"  # compute dtype; logprobs are always float32
+  c.model.init_std = 0.02
+
+  c.task = ConfigDict()
+  c.task.name = "add"  # built-in task (jaxrl.envs.TASKS)
+  c.task.num_digits = 2  # operands are zero-padded to this many digits
+  c.task.dev_size = 1000  # split used only by the warm-up stopping rule
+  c.task.val_size = 1000  # held-out split used only for reported accuracy
+
+  c.sft = ConfigDict()
+  c.sft.enabled = True
+  c.sft.learning_rate = 1e-3
+  c.sft.batch_size = 128
+  c.sft.stop_accuracy = 0.3  # stop warm-up at the first dev greedy accuracy >= this
+  c.sft.eval_every = 10
+  c.sft.max_steps = 1500  # hard cap; the run says so if it stopped on the cap
+
+  c.rollout = ConfigDict()
+  c.rollout.num_prompts = 32  # P: groups per step
+  c.rollout.group_size = 8  # G: samples per prompt
+  c.rollout.max_prompt_len = 8  # prompts are left-padded to this (longer ones are rejected)
+  c.rollout.max_new_tokens = 4  # completion budget
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0  # 0: off
+  c.rollout.top_p = 1.0  # 1.0: off
+
+  c.train = ConfigDict()
+  c.train.steps = 300  # RL steps
+  c.train.learning_rate = 1e-4
+  c.train.b1 = 0.9
+  c.train.b2 = 0.98
+  c.train.weight_decay = 0.0
+  c.train.grad_clip = 1.0  # global-norm clip
+  c.train.num_microbatches = 1  # gradient accumulation over a fixed number of micro-batches
+
+  c.loss = ConfigDict()
+  c.loss.clip_eps = 0.2  # PPO clip range
+  c.loss.adv_eps = 1e-4  # advantage = (r - mean) / (std + eps), population std (ddof=0)
+
+  c.eval = ConfigDict()
+  c.eval.every = 10  # held-out greedy eval period in RL steps (also at start and end)
+  c.eval.batch_size = 1000
+
+  c.mesh = ConfigDict()
+  c.mesh.data = 1  # -1 on one axis: use all remaining devices
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  return c

@@ -1,0 +1,71 @@
+"""The tokenizer interface jaxrl needs, and a character tokenizer for built-in tasks.
+
+A Hugging Face tokenizer can implement the same four members later (`pad_id`, `eos_id`,
+`vocab_size`, `encode`, `decode`); nothing else in jaxrl looks inside a tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+  pad_id: int
+  eos_id: int
+  vocab_size: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class CharTokenizer:
+  """One id per character of `alphabet`; 0 is padding, 1 is end-of-sequence."""
+
+  pad_id = 0
+  eos_id = 1
+
+  def __init__(self, alphabet: str):
+    if len(set(alphabet)) != len(alphabet):
+      raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
+    self.alphabet = alphabet
+    self._ids = {ch: i + 2 for i, ch in enumerate(alphabet)}
+    self.vocab_size = len(alphabet) + 2
+
+  def encode(self, text: str) -> list[int]:
+    bad = sorted({ch for ch in text if ch not in self._ids})
+    if bad:
+      raise ValueError(f"characters {bad} are not in the tokenizer alphabet {self.alphabet!r}")
+    return [self._ids[ch] for ch in text]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of the ids, stopping at the first EOS; padding is dropped."""
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id:
+        break
+      if i >= 2:
+        out.append(self.alphabet[i - 2])
+    return "".join(out)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray,
+                                                                                np.ndarray]:
+  """Left-pads token lists to `length` -> (tokens [B, length] int32, valid [B, length] bool).
+
+  A sequence longer than `length` is an error naming its row: nothing is silently truncated.
+  """
+  tokens = np.full((len(seqs), length), pad_id, np.int32)
+  valid = np.zeros((len(seqs), length), bool)
+  for row, s in enumerate(seqs):
+    if len(s) > length:
+      raise ValueError(f"row {row}: prompt has {len(s)} tokens, more than the {length} allowed "
+                       f"(config.rollout.max_prompt_len)")
+    if len(s) == 0:
+      raise ValueError(f"row {row}: empty prompt")
+    tokens[row, length - len(s):] = s
+    valid[row, length - len(s):] = True
+  return tokens, valid

@@ -1,0 +1,76 @@
+"""`add`: n-digit addition with an exact-match reward.
+
+Prompt `"07+35="`, answer `"42"` then EOS. Operands are zero-padded to `num_digits`, so every
+prompt has the same length. All (a, b) pairs are permuted once with the task seed and cut into
+`val` (held out, reported), `dev` (used only by the warm-up stopping rule) and `train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxrl.data.tokenizer import CharTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  prompt: str
+  answer: str
+
+
+class AdditionTask:
+  name = "add"
+
+  def __init__(self, num_digits: int = 2, seed: int = 0, dev_size: int = 1000,
+               val_size: int = 1000):
+    self.num_digits = num_digits
+    self.tokenizer = CharTokenizer("0123456789+=")
+    n = 10 ** num_digits
+    if dev_size + val_size >= n * n:
+      raise ValueError(f"task.dev_size + task.val_size = {dev_size + val_size} leaves no "
+                       f"training problems out of {n * n}")
+    pairs = np.random.default_rng(seed).permutation(n * n)
+    self._splits = {
+        "val": pairs[:val_size],
+        "dev": pairs[val_size:val_size + dev_size],
+        "train": pairs[val_size + dev_size:],
+    }
+    self._n = n
+
+  @property
+  def max_answer_tokens(self) -> int:
+    return self.num_digits + 2  # up to num_digits + 1 digits, then EOS
+
+  def problem(self, index: int) -> Problem:
+    a, b = divmod(int(index), self._n)
+    w = self.num_digits
+    return Problem(f"{a:0{w}d}+{b:0{w}d}=", str(a + b))
+
+  def split(self, name: str) -> list[Problem]:
+    return [self.problem(i) for i in self._splits[name]]
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """n training problems drawn with replacement (deterministic given rng)."""
+    return [self.problem(i) for i in rng.choice(self._splits["train"], size=n)]
+
+  def rewards(self, problems: Sequence[Problem], completions: np.ndarray,
+              mask: np.ndarray) -> np.ndarray:
+    """1.0 iff the completion is exactly the answer followed by EOS, else 0.0.
+
+    completions/mask: [B, N] from the sampler; a completion cut off by the budget has no EOS
+    and scores 0.
+    """
+    eos = self.tokenizer.eos_id
+    out = np.zeros(len(problems), np.float32)
+    for i, p in enumerate(problems):
+      ids = completions[i][mask[i]]
+      if len(ids) and ids[-1] == eos and self.tokenizer.decode(ids) == p.answer:
+        out[i] = 1.0
+    return out
+
+  def demonstration(self, p: Problem) -> list[int]:
+    """Completion tokens for supervised warm-up: the answer then EOS."""
+    return self.tokenizer.encode(p.answer) + [self.tokenizer.eos_id]

@@ -1,0 +1,99 @@
+"""Run outputs: `metrics.jsonl` (one line per step), a live progress line, the final chart.
+
+Every line is flushed as it is written, so a killed run keeps everything up to its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from jaxrl import plotting
+
+
+def _plain(v: Any) -> Any:
+  if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "__array__"):
+    v = np.asarray(v)
+    return v.item() if v.ndim == 0 else v.tolist()
+  return v
+
+
+class MetricsWriter:
+  """Appends one JSON object per call to `<run_dir>/metrics.jsonl`."""
+
+  def __init__(self, run_dir: str):
+    self.path = os.path.join(run_dir, "metrics.jsonl")
+    self._f = open(self.path, "a", buffering=1)
+    self.rows: list[dict] = []
+
+  def write(self, row: dict) -> None:
+    row = {k: _plain(v) for k, v in row.items()}
+    # NaN is not JSON; keep the key so a reader sees the value was bad rather than missing.
+    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    self._f.write(json.dumps(row) + "\n")
+    self.rows.append(row)
+
+  def close(self) -> None:
+    self._f.close()
+
+
+class Progress:
+  """One live line on a terminal (rewritten in place); plain periodic lines otherwise."""
+
+  def __init__(self, stream: TextIO | None = None, every: int = 10):
+    self.stream = stream or sys.stdout
+    self.every = max(1, every)
+    self.live = self.stream.isatty()
+    self._last_len = 0
+
+  def update(self, step: int, total: int, text: str, force: bool = False) -> None:
+    line = f"{step:>5}/{total} | {text}"
+    if self.live:
+      pad = max(0, self._last_len - len(line))
+      self.stream.write("\r" + line + " " * pad)
+      self.stream.flush()
+      self._last_len = len(line)
+      if force:
+        self.newline()
+    elif force or step % self.every == 0 or step == total:
+      self.stream.write(line + "\n")
+      self.stream.flush()
+
+  def newline(self) -> None:
+    if self.live and self._last_len:
+      self.stream.write("\n")
+      self.stream.flush()
+      self._last_len = 0
+
+  def say(self, text: str) -> None:
+    self.newline()
+    self.stream.write(text + "\n")
+    self.stream.flush()
+
+
+class Timer:
+  def __init__(self):
+    self.t0 = time.perf_counter()
+
+  def __call__(self) -> float:
+    return time.perf_counter() - self.t0
+
+
+def write_chart(path: str, rows: list[dict], title: str) -> None:
+  """Reward per RL step and held-out accuracy per evaluation, on one 0..1 axis."""
+  rl = [r for r in rows if r.get("phase") == "rl"]
+  reward = [(r["step"], r["reward"]) for r in rl if r.get("reward") is not None]
+  acc = [(r["step"], r["val/accuracy"]) for r in rl if r.get("val/accuracy") is not None]
+  series = [
+      plotting.Series("sampled reward", [s for s, _ in reward], [v for _, v in reward],
+                      (70, 130, 200)),
+      plotting.Series("val accuracy (greedy)", [s for s, _ in acc], [v for _, v in acc],
+                      (215, 90, 40)),
+  ]
+  plotting.line_chart_png(path, series, title=title, x_label="RL step", y_range=(0.0, 1.0))

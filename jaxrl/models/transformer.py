@@ -1,0 +1,257 @@
+"""Decoder-only language model of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
+
+RMSNorm, rotary position embeddings (HF "rotate half" layout), grouped-query attention, SwiGLU
+MLP, optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), optional tied
+embeddings, separate parameter and compute dtypes.
+
+Layer weights are stacked on a leading `[num_layers]` axis and the forward pass is a `lax.scan`
+over layers, so compile time does not grow with depth and the KV cache is one array per K and V.
+
+Positions are explicit per token, so left-padded prompts get positions 0.. from their first real
+token; attention masks come from a per-slot validity mask plus causality by slot. The same code
+serves three callers: the trainer (no cache, whole sequence), prefill (writes slots
+`[0, T)` of a fresh cache) and decode (writes one slot per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to
+# a harmless uniform row instead of NaN.
+_MASK_VALUE = -1e30
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture; fields are enough to describe real Llama/Qwen checkpoints."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  init_std: float = 0.02
+
+  @classmethod
+  def qwen2_5_0_5b(cls, **overrides) -> "ModelConfig":
+    """Qwen2.5-0.5B shapes (494M parameters)."""
+    kw = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
+              head_dim=64, mlp_dim=4864, rope_theta=1000000.0, rms_eps=1e-6, qkv_bias=True,
+              tie_embeddings=True)
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
+  def from_config(cls, model_cfg, vocab_size: int) -> "ModelConfig":
+    """From the `model` section of a run config (`vocab_size=0` there means the task's)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in model_cfg.items() if k in fields}
+    if not kw.get("vocab_size"):
+      kw["vocab_size"] = vocab_size
+    return cls(**kw)
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys/values by slot plus which slots hold real tokens."""
+
+  k: jax.Array  # [L, B, S, K, Dh]
+  v: jax.Array  # [L, B, S, K, Dh]
+  valid: jax.Array  # [B, S] bool
+
+  @staticmethod
+  def zeros(cfg: ModelConfig, batch: int, slots: int) -> "KVCache":
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    dt = DTYPES[cfg.dtype]
+    # Two separate buffers: the decode loop donates the cache, and XLA refuses to donate one
+    # buffer twice.
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, slots), bool))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """x: [B, T, H, Dh], positions: [B, T]. Non-interleaved halves, as in HF Llama/Qwen."""
+  dh = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., : dh // 2], xf[..., dh // 2 :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Transformer(nnx.Module):
+  """The language model. Call it inside jit via `nnx.merge(graphdef, params)`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = DTYPES[cfg.param_dtype]
+    L, D, H, K, Dh, F, V = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
+
+    def normal(*shape):
+      return nnx.Param((jax.random.normal(rngs.params(), shape) * cfg.init_std).astype(pd))
+
+    def const(value, *shape):
+      return nnx.Param(jnp.full(shape, value, pd))
+
+    self.embed = normal(V, D)
+    self.attn_norm = const(1.0, L, D)
+    self.wq = normal(L, D, H, Dh)
+    self.wk = normal(L, D, K, Dh)
+    self.wv = normal(L, D, K, Dh)
+    self.wo = normal(L, H, Dh, D)
+    if cfg.qkv_bias:
+      self.bq = const(0.0, L, H, Dh)
+      self.bk = const(0.0, L, K, Dh)
+      self.bv = const(0.0, L, K, Dh)
+    if cfg.qk_norm:
+      self.q_norm = const(1.0, L, Dh)
+      self.k_norm = const(1.0, L, Dh)
+    self.mlp_norm = const(1.0, L, D)
+    self.w_gate = normal(L, D, F)
+    self.w_up = normal(L, D, F)
+    self.w_down = normal(L, F, D)
+    self.final_norm = const(1.0, D)
+    if not cfg.tie_embeddings:
+      self.lm_head = normal(D, V)
+
+  def _layer_params(self) -> dict:
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if self.cfg.qkv_bias:
+      names += ["bq", "bk", "bv"]
+    if self.cfg.qk_norm:
+      names += ["q_norm", "k_norm"]
+    dt = DTYPES[self.cfg.dtype]
+    return {n: getattr(self, n)[...].astype(dt) for n in names}
+
+  def __call__(
+      self,
+      tokens: jax.Array,  # [B, T] int
+      positions: jax.Array,  # [B, T] int
+      valid: jax.Array,  # [B, T] bool: real tokens (False for padding)
+      cache: KVCache | None = None,
+      cache_index: jax.Array | int = 0,  # slot of tokens[:, 0] in the cache
+  ) -> tuple[jax.Array, KVCache | None]:
+    """Returns final hidden states [B, T, D] (after the final norm) and the updated cache."""
+    cfg = self.cfg
+    dt = DTYPES[cfg.dtype]
+    B, T = tokens.shape
+    x = self.embed[...].astype(dt)[tokens]
+
+    if cache is None:
+      key_valid = valid  # [B, S=T]
+      q_slot = jnp.arange(T)
+      S = T
+    else:
+      key_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache_index))
+      q_slot = cache_index + jnp.arange(T)
+      S = cache.valid.shape[1]
+    causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
+    mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
+
+    G = cfg.num_heads // cfg.num_kv_heads
+    scale = cfg.head_dim ** -0.5
+
+    def layer(h, xs):
+      p, k_cache, v_cache = xs
+      a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+      q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
+      k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
+      v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
+      if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+      if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+      q = rope(q, positions, cfg.rope_theta)
+      k = rope(k, positions, cfg.rope_theta)
+      if k_cache is None:
+        k_all, v_all = k, v
+      else:
+        k_all = jax.lax.dynamic_update_slice(k_cache, k, (0, cache_index, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_cache, v, (0, cache_index, 0, 0))
+      qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
+      s = jnp.einsum("btkgd,bskd->bkgts", qg, k_all).astype(jnp.float32) * scale
+      s = jnp.where(mask[:, None, None], s, _MASK_VALUE)
+      w = jax.nn.softmax(s, axis=-1).astype(dt)
+      o = jnp.einsum("bkgts,bskd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
+      h = h + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+      m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+      gate = jnp.einsum("btd,df->btf", m, p["w_gate"])
+      up = jnp.einsum("btd,df->btf", m, p["w_up"])
+      h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+      # Only the new slots leave the scan; the caller writes them into the cache once, which
+      # XLA can do in place on a donated buffer.
+      return h, (k, v)
+
+    params = self._layer_params()
+    if cache is None:
+      x, _ = jax.lax.scan(lambda h, p: layer(h, (p, None, None)), x, params)
+      new_cache = None
+    else:
+      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v))
+      new_cache = KVCache(
+          jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, cache_index, 0, 0)),
+          jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, cache_index, 0, 0)),
+          key_valid,
+      )
+    return rms_norm(x, self.final_norm[...].astype(dt), cfg.rms_eps), new_cache
+
+  def unembedding(self) -> jax.Array:
+    """[D, V] output projection (the transposed embedding when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., V]."""
+    w = self.unembedding().astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w).astype(jnp.float32)
+
+
+def init_model(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+  """Builds the model and splits it into (graphdef, params) for pure functions."""
+  return nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """Shapes only (no allocation), for sharding specs and checkpoint targets."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> jax.Array:
+  """The one log-prob definition: `log_softmax(logits / T)[target]` over the full vocabulary, f32.
+
+  Used by the sampler, the trainer's recompute and (later) the reference model, so they agree by
+  construction. `temperature <= 0` means greedy decoding; its log-probs are taken at T = 1.
+  """
+  t = jnp.asarray(temperature, jnp.float32)
+  t = jnp.where(t > 0, t, 1.0)[..., None]  # a scalar, or one per target
+  z = logits.astype(jnp.float32) / t
+  lse = jax.nn.logsumexp(z, axis=-1)
+  picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - lse

@@ -1,0 +1,6 @@
+"""Meshes and shardings: a named ('data', 'fsdp', 'tensor') mesh and logical-axis rules."""
+
+from jaxrl.parallel.sharding import (AXES, batch_sharding, make_mesh, param_shardings,
+                                     replicated)
+
+__all__ = ["AXES", "batch_sharding", "make_mesh", "param_shardings", "replicated"]

@@ -1,0 +1,78 @@
+"""Mesh construction and parameter/batch shardings by logical-axis rules.
+
+Each parameter name maps to one logical axis per dimension; logical axes map to mesh axes. A
+dimension that the mesh axis does not divide (e.g. 2 kv heads on a tensor axis of 4) stays
+replicated rather than failing, so one rule table serves every mesh.
+
+The mesh uses `Mesh(devices, names)`, whose axes are Auto: `jax.make_mesh` defaults to Explicit
+axes in this JAX, which changes sharding-constraint semantics.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # rows are split over both; fsdp also shards parameters
+
+# Parameter name -> logical axis of each dimension (layer-stacked weights lead with "layers").
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": (None,),
+    "attn_norm": ("layers", None),
+    "mlp_norm": ("layers", None),
+    "wq": ("layers", "embed", "heads", None),
+    "wk": ("layers", "embed", "kv_heads", None),
+    "wv": ("layers", "embed", "kv_heads", None),
+    "wo": ("layers", "heads", None, "embed"),
+    "bq": ("layers", "heads", None),
+    "bk": ("layers", "kv_heads", None),
+    "bv": ("layers", "kv_heads", None),
+    "q_norm": ("layers", None),
+    "k_norm": ("layers", None),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+LOGICAL_TO_MESH = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
+                   "mlp": "tensor", "layers": None}
+
+
+def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
+  """A mesh over the first data*fsdp*tensor devices (shape already validated by the config)."""
+  devices = jax.devices() if devices is None else devices
+  n = data * fsdp * tensor
+  return Mesh(np.asarray(devices[:n]).reshape(data, fsdp, tensor), AXES)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Row axis over ('data', 'fsdp'); trailing axes replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def _spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+  logical = PARAM_AXES.get(name)
+  if logical is None or len(logical) != len(shape):
+    raise ValueError(f"no sharding rule for parameter {name!r} of shape {shape}")
+  out = []
+  for dim, ax in zip(shape, logical):
+    mesh_ax = LOGICAL_TO_MESH.get(ax) if ax else None
+    out.append(mesh_ax if mesh_ax and dim % mesh.shape[mesh_ax] == 0 else None)
+  return P(*out)
+
+
+def param_shardings(params, mesh: Mesh):
+  """A NamedSharding per parameter leaf, by the leaf's attribute name."""
+
+  def leaf(path, x):
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return NamedSharding(mesh, _spec(str(names[-1]), tuple(x.shape), mesh))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)

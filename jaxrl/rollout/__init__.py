@@ -1,0 +1,1 @@
+"""Rollout generation: the pure sampler (and, later, the engine and worker thread)."""

@@ -1,0 +1,148 @@
+"""Pure KV-cache sampler: prefill once per prompt, decode G samples per prompt.
+
+`make_sampler(graphdef, ...)` returns `generate(params, prompts, prompt_valid, key, request_ids,
+temperature, top_k, top_p) -> SampleOutput`, built from two jitted pure functions:
+
+- prefill runs the P prompts once and repeats the cache G times, so a group shares one prefill;
+- decode is a `lax.while_loop` over at most `max_new_tokens` steps that stops when every row has
+  emitted EOS; its KV cache argument is donated, so the loop updates it in place.
+
+Shapes are fixed by (P, prompt length, G, max_new_tokens); temperature, top-k and top-p are array
+arguments, so changing them never recompiles.
+
+Log-probs follow the one contract of `jaxrl.models.token_logprobs`: `log_softmax(logits / T)`
+over the full vocabulary, whatever top-k/top-p truncation was used to *draw* the token.
+
+RNG: row i draws token t with `fold_in(fold_in(key, request_ids[i]), t)`, so a sample depends only
+on (key, request id, step) and not on batch composition; group members have distinct request ids.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.transformer import KVCache, token_logprobs
+
+
+class SampleOutput(NamedTuple):
+  tokens: jax.Array  # [B, N] int32, pad_id after EOS
+  logprobs: jax.Array  # [B, N] float32, 0 where mask is False
+  mask: jax.Array  # [B, N] bool: generated tokens up to and including the first EOS
+  lengths: jax.Array  # [B] int32, mask.sum(-1)
+
+
+def left_positions(valid: jax.Array) -> jax.Array:
+  """Positions counted from each row's first real token (left padding gets 0)."""
+  return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Top-k then top-p (nucleus) truncation of scaled logits z [B, V]; off when k=0 and p=1."""
+
+  def truncate(z):
+    v = z.shape[-1]
+    sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_k = jnp.arange(v) < k
+    sorted_z = jnp.where(in_k, sorted_z, -jnp.inf)
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: token i stays if the mass before it is
+    # still short of top_p. The top token always stays.
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    keep = keep.at[:, 0].set(True) & in_k
+    threshold = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(z >= threshold, z, -jnp.inf)
+
+  # The sort costs O(V log V) per step; skip it entirely when nothing is truncated.
+  return jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda z: z, z)
+
+
+def make_sampler(
+    graphdef: nnx.GraphDef,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+) -> Callable[..., SampleOutput]:
+  """Returns `generate(params, prompts [P, Lp], prompt_valid [P, Lp], key, request_ids [P*G],
+  temperature, top_k, top_p) -> SampleOutput` over P*G rows (prompt-major: row = p*G + g)."""
+  G, N = num_samples, max_new_tokens
+
+  @jax.jit
+  def prefill(params, prompts, prompt_valid):
+    model = nnx.merge(graphdef, params)
+    P, Lp = prompts.shape
+    cache = KVCache.zeros(model.cfg, P, Lp + N)
+    positions = left_positions(prompt_valid)
+    hidden, cache = model(prompts, positions, prompt_valid, cache, 0)
+    # Left padding puts every prompt's last real token in the last slot.
+    last_logits = model.logits(hidden[:, -1])
+    rep = lambda x, axis: jnp.repeat(x, G, axis=axis)
+    cache = KVCache(rep(cache.k, 1), rep(cache.v, 1), rep(cache.valid, 0))
+    prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
+    return cache, rep(last_logits, 0), rep(prompt_lens, 0)
+
+  def pick(logits, t, request_keys, temperature, top_k, top_p):
+    greedy = temperature <= 0
+    z = logits / jnp.where(greedy, 1.0, temperature)
+    z = filter_logits(z, top_k, top_p)
+    keys = jax.vmap(jax.random.fold_in, (0, None))(request_keys, t)
+    drawn = jax.vmap(jax.random.categorical)(keys, z)
+    tok = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
+    return tok, token_logprobs(logits, tok, temperature)
+
+  def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
+    model = nnx.merge(graphdef, params)
+    B = first_logits.shape[0]
+    Lp = cache.valid.shape[1] - N
+    request_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, request_ids)
+    sample = lambda logits, t: pick(logits, t, request_keys, temperature, top_k, top_p)
+
+    def emit(carry, tok, lp):
+      t, _, done, out_tok, out_lp, out_mask = carry[1:]
+      live = ~done
+      out_tok = out_tok.at[:, t].set(jnp.where(live, tok, pad_id))
+      out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
+      out_mask = out_mask.at[:, t].set(live)
+      return out_tok, out_lp, out_mask, done | (tok == eos_id)
+
+    tok0, lp0 = sample(first_logits, 0)
+    init = (cache, 0, tok0, jnp.zeros((B,), bool), jnp.full((B, N), pad_id, jnp.int32),
+            jnp.zeros((B, N), jnp.float32), jnp.zeros((B, N), bool))
+    out_tok, out_lp, out_mask, done = emit(init, tok0, lp0)
+    carry = (cache, 1, tok0, done, out_tok, out_lp, out_mask)
+
+    def cond(carry):
+      return (carry[1] < N) & ~jnp.all(carry[3])
+
+    def body(carry):
+      cache, t, last, done = carry[:4]
+      pos = (prompt_lens + t - 1)[:, None]
+      hidden, cache = model(last[:, None], pos, ~done[:, None], cache, Lp + t - 1)
+      tok, lp = sample(model.logits(hidden[:, 0]), t)
+      out_tok, out_lp, out_mask, done = emit(carry, tok, lp)
+      return (cache, t + 1, tok, done, out_tok, out_lp, out_mask)
+
+    carry = jax.lax.while_loop(cond, body, carry)
+    out_tok, out_lp, out_mask = carry[4:]
+    return SampleOutput(out_tok, out_lp, out_mask, out_mask.sum(-1).astype(jnp.int32)), carry[0]
+
+  # The cache is donated and returned: the loop updates prefill's buffer in place instead of
+  # first copying it (an undonated input must stay intact).
+  decode = jax.jit(decode, donate_argnums=(1,))
+
+  def generate(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0):
+    cache, first_logits, prompt_lens = prefill(params, prompts, prompt_valid)
+    out, _ = decode(params, cache, first_logits, prompt_lens, key,
+                  jnp.asarray(request_ids, jnp.int32), jnp.asarray(temperature, jnp.float32),
+                  jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+    return out
+
+  generate.prefill = prefill
+  generate.decode = decode
+  return generate

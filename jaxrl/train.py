@@ -1,0 +1,58 @@
+"""Entry point: `python -m jaxrl.train [--config path.py] [--config.key=value ...]`.
+
+Without `--config` it runs the packaged `jaxrl/configs/default.py`. Overrides are applied and the
+whole config is validated before anything is built or compiled; every bad key is reported in one
+message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrl import config as config_lib
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+
+# `sys_argv=argv[:1]`: overrides are applied by `config_lib.parse_overrides`, which names every
+# bad key at once instead of ml_collections' traceback for the first one.
+_CONFIG = config_flags.DEFINE_config_file("config", default=DEFAULT_CONFIG, sys_argv=sys.argv[:1],
+                                          help_string="recipe file (configs/*.py)")
+_OVERRIDES: list[str] = []
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  _OVERRIDES[:] = [a for a in argv[1:] if a.startswith("--config.")]
+  return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  import jax  # after flag parsing, so --help and bad flags never initialise a backend
+
+  from jaxrl import envs, trainer
+
+  try:
+    cfg = config_lib.parse_overrides(_CONFIG.value, _OVERRIDES)
+    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=envs.TASKS)
+  except config_lib.ConfigError as e:
+    sys.exit(f"jaxrl: invalid config\n{e}")
+  run_dir = cfg.run_dir or os.path.join(
+      "runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  try:
+    trainer.run(cfg, run_dir, mesh_shape)
+  except config_lib.ConfigError as e:
+    sys.exit(f"jaxrl: invalid config\n{e}")
+
+
+def run() -> None:
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  run()

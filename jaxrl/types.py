@@ -1,0 +1,30 @@
+"""Pytrees that cross jit boundaries. Leading axis = rows (samples); fixed shapes per run."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class TrainBatch(NamedTuple):
+  """One training batch: B rows of left-padded prompt + completion.
+
+  Groups are explicit (`group_id`), never inferred from equal prompts. Every leaf has the row
+  axis first, so micro-batching and data-parallel sharding split all fields the same way.
+  """
+
+  prompt_tokens: jax.Array  # [B, Lp] int32, left-padded
+  prompt_valid: jax.Array  # [B, Lp] bool
+  tokens: jax.Array  # [B, N] int32 completion, pad after EOS
+  mask: jax.Array  # [B, N] bool loss mask (generated tokens up to and including EOS)
+  rollout_logprobs: jax.Array  # [B, N] float32 sampler log-probs (0 where unknown / masked)
+  rewards: jax.Array  # [B] float32
+  group_id: jax.Array  # [B] int32
+  temperature: jax.Array  # [B] float32 sampling temperature (logprobs use logits / T)
+
+
+class TrainState(NamedTuple):
+  params: object  # nnx.State of the model
+  opt_state: object
+  step: jax.Array  # int32 count of applied updates (the published policy version)

@@ -1,0 +1,272 @@
+"""Tests for jaxrl.config: schema, types, ranges, mesh, cross-key checks and overrides."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from ml_collections import ConfigDict
+
+from jaxrl.config import ConfigError, MeshShape, parse_overrides, to_dict, validate
+from jaxrl.configs.default import get_config
+
+
+def _problems(cfg, num_devices=1, **kwargs) -> list[str]:
+  with pytest.raises(ConfigError) as info:
+    validate(cfg, num_devices, **kwargs)
+  err = info.value
+  lines = str(err).splitlines()
+  n = len(err.problems)
+  assert lines[0] == f"{n} problem{'s' if n != 1 else ''} found in config:"
+  assert lines[1:] == err.problems
+  assert all(p.startswith("config.") for p in err.problems)
+  return err.problems
+
+
+def _one(cfg, key, num_devices=1, **kwargs) -> str:
+  problems = _problems(cfg, num_devices, **kwargs)
+  assert len(problems) == 1, problems
+  assert problems[0].startswith(f"config.{key}:"), problems
+  return problems[0]
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_default_config_is_valid(num_devices):
+  assert validate(get_config(), num_devices) == MeshShape(1, 1, 1)
+  assert validate(get_config(), num_devices, task_names={"add"}) == MeshShape(1, 1, 1)
+
+
+@pytest.mark.parametrize("axis", ["data", "fsdp", "tensor"])
+def test_minus_one_axis_takes_remaining_devices(axis):
+  cfg = get_config()
+  cfg.mesh[axis] = -1
+  assert getattr(validate(cfg, 8), axis) == 8
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, -1, 2
+  assert validate(cfg, 8) == MeshShape(2, 2, 2)
+
+
+def test_mesh_smaller_than_device_count_is_allowed_when_it_divides():
+  cfg = get_config()
+  cfg.mesh.data = 4
+  assert validate(cfg, 8) == MeshShape(4, 1, 1)
+
+
+def test_unknown_key_suggests_closest():
+  cfg = get_config()
+  cfg.train.lerning_rate = 1e-3
+  msg = _one(cfg, "train.lerning_rate")
+  assert "unknown key" in msg and "did you mean config.train.learning_rate?" in msg
+
+
+def test_unknown_section_suggests_closest_and_is_reported_once():
+  cfg = get_config()
+  cfg.trian = ConfigDict({"steps": 5})
+  msg = _one(cfg, "trian")
+  assert "did you mean config.train?" in msg
+
+
+def test_unknown_key_without_close_match_has_no_suggestion():
+  cfg = get_config()
+  cfg.zzzzzz = 1
+  assert "did you mean" not in _one(cfg, "zzzzzz")
+
+
+def test_missing_key_is_reported_not_filled():
+  cfg = ConfigDict(get_config().to_dict())
+  del cfg.train["b2"]
+  assert "missing key" in _one(cfg, "train.b2")
+
+
+def test_section_vs_scalar_mismatch():
+  d = get_config().to_dict()
+  d["loss"] = 0.2
+  d["model"]["d_model"] = {"width": 128}
+  problems = _problems(ConfigDict(d))
+  assert any(p.startswith("config.loss: expected a section") for p in problems)
+  assert any(p.startswith("config.model.d_model: expected int, got a section") for p in problems)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("train.steps", 1.5, "expected int, got float 1.5"),
+    ("train.steps", True, "expected int, got bool True"),  # bool is not an int here
+    ("train.learning_rate", False, "expected float, got bool False"),
+    ("train.learning_rate", "1e-3", "expected float, got str '1e-3'"),
+    ("model.qkv_bias", 1, "expected bool, got int 1"),
+    ("model.dtype", 32, "expected str, got int 32"),
+])
+def test_wrong_type(key, value, expected):
+  d = get_config().to_dict()
+  section, leaf = key.split(".")
+  d[section][leaf] = value
+  assert expected in _one(ConfigDict(d), key)
+
+
+def test_int_is_accepted_where_float_is_expected():
+  d = get_config().to_dict()
+  d["train"]["grad_clip"] = 1
+  validate(ConfigDict(d), 1)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("train.learning_rate", -1.0, "must be > 0, got -1.0"),
+    ("seed", -3, "must be >= 0, got -3"),
+    ("model.head_dim", 33, "must be even"),
+    ("model.dtype", "float8", "must be one of ['bfloat16', 'float16', 'float32'], got 'float8'"),
+    ("task.num_digits", 10, "must be in [1, 9], got 10"),
+    ("sft.stop_accuracy", 1.5, "must be in [0, 1], got 1.5"),
+    ("rollout.group_size", 1, "must be >= 2"),
+    ("rollout.top_p", 0.0, "must be in (0, 1], got 0.0"),
+    ("train.b2", 1.0, "must be in [0, 1), got 1.0"),
+    ("loss.clip_eps", float("nan"), "must be finite, got nan"),
+    ("mesh.fsdp", 0, "must be >= 1 or -1, got 0"),
+])
+def test_out_of_range(key, value, expected):
+  cfg = get_config()
+  section, leaf = key.split(".") if "." in key else (None, key)
+  (cfg[section] if section else cfg)[leaf] = value
+  assert expected in _one(cfg, key)
+
+
+def test_num_heads_must_be_multiple_of_kv_heads():
+  cfg = get_config()
+  cfg.model.num_kv_heads = 3
+  assert "config.model.num_kv_heads" in _one(cfg, "model.num_heads")
+
+
+def test_task_name_checked_only_when_names_given():
+  cfg = get_config()
+  cfg.task.name = "sub"
+  validate(cfg, 1)
+  assert "got 'sub'" in _one(cfg, "task.name", task_names=["add", "mul"])
+
+
+def test_mesh_not_dividing_devices():
+  cfg = get_config()
+  cfg.mesh.data = 3
+  msg = _one(cfg, "mesh", num_devices=8)
+  assert "data=3" in msg and "8" in msg
+
+
+def test_mesh_larger_than_device_count():
+  cfg = get_config()
+  cfg.mesh.tensor = 2
+  assert "tensor=2" in _one(cfg, "mesh", num_devices=1)
+
+
+def test_two_minus_one_axes():
+  cfg = get_config()
+  cfg.mesh.data = cfg.mesh.fsdp = -1
+  assert "at most one axis may be -1" in _one(cfg, "mesh", num_devices=8)
+
+
+def test_minus_one_not_resolvable():
+  cfg = get_config()
+  cfg.mesh.data, cfg.mesh.tensor = -1, 3
+  assert "-1 cannot be resolved" in _one(cfg, "mesh.data", num_devices=8)
+
+
+def test_rl_batch_not_divisible_by_microbatches():
+  cfg = get_config()
+  cfg.train.num_microbatches = 3  # 32 * 8 = 256
+  msg = _one(cfg, "train.num_microbatches")
+  assert "config.rollout.num_prompts" in msg and "config.rollout.group_size" in msg
+  assert "256" in msg
+
+
+def test_microbatch_not_divisible_by_batch_shards():
+  cfg = get_config()
+  cfg.rollout.num_prompts = 4  # 4 * 8 / 4 = 8 per micro-batch, 16 batch shards
+  cfg.train.num_microbatches = 4
+  cfg.mesh.data, cfg.mesh.fsdp = 4, 4
+  cfg.sft.batch_size = cfg.eval.batch_size = 16
+  msg = _one(cfg, "train.num_microbatches", num_devices=16)
+  assert "config.mesh.data * config.mesh.fsdp = 16" in msg
+
+
+@pytest.mark.parametrize("key", ["sft.batch_size", "eval.batch_size"])
+def test_batch_sizes_divisible_by_batch_shards(key):
+  cfg = get_config()
+  cfg.mesh.fsdp = -1
+  section, leaf = key.split(".")
+  cfg.sft.batch_size = cfg.eval.batch_size = 16
+  cfg[section][leaf] = 20
+  assert "config.mesh.data * config.mesh.fsdp = 8" in _one(cfg, key, num_devices=8)
+
+
+def test_all_problems_in_one_error():
+  cfg = get_config()
+  cfg.train.lerning_rate = 1.0
+  cfg.seed = True
+  cfg.rollout.top_p = 2.0
+  cfg.mesh.data = cfg.mesh.fsdp = -1
+  cfg.train.num_microbatches = 3
+  problems = _problems(cfg, 8)
+  assert len(problems) == 5, problems
+  for key in ("train.lerning_rate", "seed", "rollout.top_p", "mesh", "train.num_microbatches"):
+    assert any(p.startswith(f"config.{key}:") for p in problems), key
+
+
+def test_type_errors_skip_dependent_checks_without_crashing():
+  d = get_config().to_dict()
+  d["rollout"]["num_prompts"] = "32"
+  d["mesh"]["data"] = "2"
+  d["model"]["num_kv_heads"] = 2.0
+  d["train"]["learning_rate"] = "abc"
+  problems = _problems(ConfigDict(d), 8)
+  assert len(problems) == 4, problems
+  assert all("expected" in p for p in problems)
+  for key in ("rollout.num_prompts", "mesh.data", "model.num_kv_heads", "train.learning_rate"):
+    assert any(p.startswith(f"config.{key}:") for p in problems), key
+
+
+def test_to_dict_is_json_serialisable():
+  d = to_dict(get_config())
+  assert type(d) is dict and type(d["train"]) is dict
+  assert json.loads(json.dumps(d)) == d
+
+
+def test_config_module_does_not_import_jax():
+  code = "import sys, jaxrl.config; assert 'jax' not in sys.modules, 'jax imported'"
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+
+
+def test_parse_overrides_applies_typed_values():
+  cfg = parse_overrides(get_config(), [
+      "prog", "--other=1", "--config.train.steps=5", "--config.train.learning_rate=1",
+      "--config.model.qkv_bias=TRUE", "--config.model.tie_embeddings=0",
+      "--config.mesh.data=-1", "--config.name=x=y"])
+  assert cfg.train.steps == 5 and type(cfg.train.steps) is int
+  assert cfg.train.learning_rate == 1.0 and type(cfg.train.learning_rate) is float
+  assert cfg.model.qkv_bias is True and cfg.model.tie_embeddings is False
+  assert cfg.name == "x=y"
+  assert validate(cfg, 4) == MeshShape(4, 1, 1)
+
+
+def test_parse_overrides_does_not_mutate_input():
+  cfg = get_config()
+  parse_overrides(cfg, ["--config.train.steps=5"])
+  assert cfg.train.steps == 300
+
+
+def test_parse_overrides_reports_every_bad_key():
+  with pytest.raises(ConfigError) as info:
+    parse_overrides(get_config(), [
+        "--config.nonexistent=1", "--config.train.learning_rate=abc",
+        "--config.train.steps=1.5", "--config.model.qkv_bias=maybe",
+        "--config.train.lerning_rate=1", "--config.train=5", "--config.seed"])
+  problems = info.value.problems
+  assert str(info.value).splitlines()[0] == "7 problems found in config:"
+  expected = {
+      "nonexistent": "unknown key",
+      "train.learning_rate": "expected float, got 'abc'",
+      "train.steps": "expected int, got '1.5'",
+      "model.qkv_bias": "expected bool (true/false/1/0), got 'maybe'",
+      "train.lerning_rate": "did you mean config.train.learning_rate?",
+      "train": "is a section",
+      "seed": "needs a value",
+  }
+  assert len(problems) == len(expected)
+  for p, (key, text) in zip(problems, expected.items()):
+    assert p.startswith(f"config.{key}:") and text in p, p
