@@ -25,7 +25,7 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # charts rather than only by hand-made files.
 _IDAT_CHUNK_BYTES = 8192
 
-_WHITE = (255, 255, 255)
+_Rgb = tuple[int, int, int]
 _INK = (30, 30, 30)  # text, frame and ticks
 _GRID = (232, 232, 232)
 
@@ -185,7 +185,7 @@ def _text_width(text: str, scale: int = 1) -> int:
   return max(0, _ADVANCE * len(text) - 1) * scale
 
 
-def _blit(img: np.ndarray, mask: np.ndarray, top: int, left: int, color) -> None:
+def _blit(img: np.ndarray, mask: np.ndarray, top: int, left: int, color: _Rgb) -> None:
   """Paints `mask` at (top, left), silently clipped to the image."""
   h, w = img.shape[:2]
   r0, c0 = max(top, 0), max(left, 0)
@@ -196,7 +196,10 @@ def _blit(img: np.ndarray, mask: np.ndarray, top: int, left: int, color) -> None
   img[r0:r1, c0:c1][sub] = color
 
 
-def _draw_text(img, text: str, top: int, x: int, color, scale: int = 1, align: str = "left"):
+def _draw_text(
+    img: np.ndarray, text: str, top: int, x: int, color: _Rgb, scale: int = 1, align: str = "left"
+) -> None:
+  """Draws `text` with its cell's top row at `top`; `x` is its left, centre or right edge."""
   width = _text_width(text, scale)
   left = {"left": x, "center": x - width // 2, "right": x - width}[align]
   _blit(img, _text_mask(text, scale), top, left, color)
@@ -213,6 +216,8 @@ def _nice_ticks(lo: float, hi: float, target: int, expand: bool) -> tuple[float,
   without it (a forced range) ticks stay inside [lo, hi]. Returns (lo, hi, ticks).
   """
   span = hi - lo
+  if not math.isfinite(span) or span <= 0:
+    raise ValueError(f"cannot place ticks on [{lo}, {hi}]")
   base = 10.0 ** math.floor(math.log10(span / max(target, 1)))
   best = None
   for step in (m * base * f for f in (0.1, 1.0, 10.0) for m in (1, 2, 5)):
@@ -224,9 +229,12 @@ def _nice_ticks(lo: float, hi: float, target: int, expand: bool) -> tuple[float,
     n = k1 - k0 + 1
     if n < 2:
       continue
-    # Steps ascend, so `<=` makes ties go to the larger step (fewer, wider-spaced labels).
-    if best is None or abs(n - target) <= abs(best[0] - target):
-      best = (n, k0, k1, step)
+    # Besides the tick count, penalise the empty axis an expanded range adds (0..119 shown as
+    # 0..150 wastes a fifth of the plot). Steps ascend, so `<=` sends ties to the larger step.
+    waste = (k1 - k0) * step / span - 1 if expand else 0.0
+    score = abs(n - target) + 4 * waste
+    if best is None or score <= best[0]:
+      best = (score, k0, k1, step)
   if best is None:
     return lo, hi, np.array([lo, hi])
   _, k0, k1, step = best
@@ -267,7 +275,10 @@ def _padded_range(values: list[np.ndarray]) -> tuple[float, float]:
 # Lines
 
 
-def _clip_segments(x0, y0, x1, y1, xmin, xmax, ymin, ymax):
+def _clip_segments(
+    x0: np.ndarray, y0: np.ndarray, x1: np.ndarray, y1: np.ndarray,
+    xmin: float, xmax: float, ymin: float, ymax: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Liang-Barsky clipping of many segments at once; returns the kept, clipped endpoints."""
   dx, dy = x1 - x0, y1 - y0
   t0, t1 = np.zeros_like(x0), np.ones_like(x0)
@@ -283,7 +294,11 @@ def _clip_segments(x0, y0, x1, y1, xmin, xmax, ymin, ymax):
   return x0 + t0 * dx, y0 + t0 * dy, x0 + t1 * dx, y0 + t1 * dy
 
 
-def _stamp(img, rows, cols, offsets, color, clip) -> None:
+def _stamp(
+    img: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+    offsets: tuple[np.ndarray, np.ndarray], color: _Rgb, clip: tuple[int, int, int, int],
+) -> None:
+  """Paints `offsets` around each (row, col), keeping only pixels inside `clip` (r0, r1, c0, c1)."""
   r0, r1, c0, c1 = clip
   rr = (rows[:, None] + offsets[0][None, :]).ravel()
   cc = (cols[:, None] + offsets[1][None, :]).ravel()
@@ -295,7 +310,9 @@ _THICK2 = (np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]))
 _DOT3 = (np.repeat(np.arange(-1, 2), 3), np.tile(np.arange(-1, 2), 3))
 
 
-def _draw_polyline(img, px, py, color, clip) -> None:
+def _draw_polyline(
+    img: np.ndarray, px: np.ndarray, py: np.ndarray, color: _Rgb, clip: tuple[int, int, int, int]
+) -> None:
   """2 px line through pixel-space points; non-finite points break it, lone points get a dot."""
   ok = np.isfinite(px) & np.isfinite(py)
   if not ok.any():
@@ -411,10 +428,10 @@ def line_chart_png(
   data_l, data_r = frame_left + inset, frame_right - inset
   data_t, data_b = frame_top + inset, frame_bottom - inset
 
-  def to_cols(x):
+  def to_cols(x: np.ndarray) -> np.ndarray:
     return data_l + (x - x_lo) / (x_hi - x_lo) * (data_r - data_l)
 
-  def to_rows(y):
+  def to_rows(y: np.ndarray) -> np.ndarray:
     return data_b - (y - y_lo) / (y_hi - y_lo) * (data_b - data_t)
 
   x_tick_cols = np.round(to_cols(x_ticks)).astype(int)

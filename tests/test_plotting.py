@@ -170,23 +170,25 @@ def test_nan_breaks_the_line(tmp_path):
 
 
 def test_y_range_is_honoured_and_clips(tmp_path):
-  x = np.arange(20)
-  img = _chart(
-      tmp_path,
-      [
-          Series("half", x, np.full(20, 0.5), BLUE),
-          Series("off", x, np.full(20, 7.0), RED),
-          # Lone points (NaN neighbours) far outside the range, above and below.
-          Series("lone", x, np.where(x % 4 == 0, 7.0, np.where(x % 4 == 2, -3.0, np.nan)), GREEN),
-      ],
-      y_range=(0.0, 1.0),
-  )
+  x = np.arange(24)
+  # Lone points (NaN neighbours) outside the range: far off, and just above/below the frame.
+  lone_y = np.select([x % 8 == 0, x % 8 == 2, x % 8 == 4, x % 8 == 6], [7.0, 1.05, -0.05, -3.0],
+                     np.nan)
+  series = [
+      Series("half", x, np.full(24, 0.5), BLUE),
+      Series("off", x, np.full(24, 7.0), RED),
+      Series("lone", x, lone_y, GREEN),
+  ]
+  img = _chart(tmp_path, series, y_range=(0.0, 1.0))
   top, bottom = _frame_rows(img)
   rows = np.nonzero(_mask(img, BLUE)[top + 1 : bottom])[0] + top + 1
   assert abs(rows.mean() - (top + bottom) / 2) <= 2
   assert not _mask(img, RED)[top + 1 : bottom].any(), "out-of-range series must be clipped"
-  assert not _mask(img, GREEN)[top + 1 : bottom].any()
   assert _mask(img, RED)[:top].any(), "but still listed in the legend"
+  # The lone points leave no pixel anywhere: only the legend entry is green.
+  legend_only = _chart(tmp_path, [*series[:2], Series("lone", [], [], GREEN)], name="l.png",
+                       y_range=(0.0, 1.0))
+  assert _mask(img, GREEN).sum() == _mask(legend_only, GREEN).sum() > 0
 
 
 def test_series_with_different_x_grids_share_the_axis(tmp_path):

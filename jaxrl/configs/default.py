@@ -36,6 +36,7 @@ def get_config() -> ConfigDict:
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # compute dtype; logprobs are always float32
   c.model.init_std = 0.02
+  c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
 
   c.task = ConfigDict()
   c.task.name = "add"  # built-in task (jaxrl.envs.TASKS)

@@ -48,6 +48,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   init_std: float = 0.02
+  # lax.scan over layers keeps compile time flat in depth; unrolling is faster for shallow
+  # models on CPU, where XLA splits the scan's backward into one loop per weight.
+  scan_layers: bool = True
 
   @classmethod
   def qwen2_5_0_5b(cls, **overrides) -> "ModelConfig":
@@ -209,11 +212,12 @@ class Transformer(nnx.Module):
       return h, (k, v)
 
     params = self._layer_params()
+    unroll = 1 if cfg.scan_layers else cfg.num_layers
     if cache is None:
-      x, _ = jax.lax.scan(lambda h, p: layer(h, (p, None, None)), x, params)
+      x, _ = jax.lax.scan(lambda h, p: layer(h, (p, None, None)), x, params, unroll=unroll)
       new_cache = None
     else:
-      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v))
+      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v), unroll=unroll)
       new_cache = KVCache(
           jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, cache_index, 0, 0)),
           jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, cache_index, 0, 0)),
@@ -233,9 +237,15 @@ class Transformer(nnx.Module):
     return jnp.einsum("...d,dv->...v", hidden, w).astype(jnp.float32)
 
 
-def init_model(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-  """Builds the model and splits it into (graphdef, params) for pure functions."""
-  return nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+def init_model(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:
+  """Builds the model and splits it into (graphdef, params) for pure functions.
+
+  Initialisation runs as one jitted program (eagerly, every random op of a new shape would
+  compile on its own); with `shardings` each parameter is created in place on its devices.
+  """
+  graphdef, _ = abstract_model(cfg)
+  make = lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))[1]
+  return graphdef, jax.jit(make, out_shardings=shardings)()
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

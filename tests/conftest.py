@@ -1,0 +1,26 @@
+"""Test setup: 8 simulated CPU devices, set before anything initialises a JAX backend."""
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+import pytest  # noqa: E402
+
+from jaxrl.models import ModelConfig  # noqa: E402
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+  """A 2-layer model small enough to compile in about a second."""
+  kw = dict(vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+            mlp_dim=64)
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def devices():
+  assert jax.device_count() == 8, "conftest must set 8 host devices before JAX starts"
+  return jax.devices()
