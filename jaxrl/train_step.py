@@ -110,7 +110,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
 
   denom = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(grad_norm)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)

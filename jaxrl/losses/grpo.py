@@ -15,15 +15,20 @@ def group_advantages(rewards: jax.Array, group_id: jax.Array, eps: float) -> jax
 
   std is the population std (ddof = 0): for a group of G rewards with k ones,
   std = sqrt(p (1 - p)), p = k / G. A group with equal rewards gets A = 0 exactly.
-  Group ids may be any ints in [0, B); segments are sized B so no group count is static.
+  Group ids may be any ints; no group count is static.
   """
   b = rewards.shape[0]
+  # Any int ids: densify to [0, B) first (segment ops silently drop ids >= num_segments).
+  _, group_id = jnp.unique(group_id, size=b, return_inverse=True)
+  group_id = group_id.reshape(b)
   r = rewards.astype(jnp.float32)
   n = jax.ops.segment_sum(jnp.ones_like(r), group_id, num_segments=b)
   mean = jax.ops.segment_sum(r, group_id, num_segments=b) / jnp.maximum(n, 1.0)
   centred = r - mean[group_id]
   var = jax.ops.segment_sum(centred * centred, group_id, num_segments=b) / jnp.maximum(n, 1.0)
-  return centred / (jnp.sqrt(var[group_id]) + eps)
+  std = jnp.sqrt(var[group_id])
+  # A zero-variance group has no signal: exactly 0, also when eps = 0 (0/0 would be NaN).
+  return jnp.where(std > 0, centred / (std + eps), 0.0)
 
 
 def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
