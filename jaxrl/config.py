@@ -137,9 +137,20 @@ def _describe(value: Any) -> str:
 
 
 def _unknown(path: str, known: Collection[str]) -> str:
+  """Suggests a sibling first (by spelling or initials: `lr` -> `learning_rate`), then any key."""
   msg = f"{_PREFIX}{path}: unknown key"
-  close = difflib.get_close_matches(path, list(known), n=1)
-  return msg + (f"; did you mean {_PREFIX}{close[0]}?" if close else "")
+  parent, _, leaf = path.rpartition(".")
+  siblings = {k.rpartition(".")[2]: k for k in known
+              if k.rpartition(".")[0] == parent and k != parent}
+  initials = {"".join(w[0] for w in name.split("_") if w): full for name, full in siblings.items()}
+  close = difflib.get_close_matches(leaf, list(siblings), n=1)
+  if leaf in initials and "_" in initials[leaf]:
+    best = initials[leaf]
+  elif close:
+    best = siblings[close[0]]
+  else:
+    best = next(iter(difflib.get_close_matches(path, list(known), n=1)), None)
+  return msg + (f"; did you mean {_PREFIX}{best}?" if best else "")
 
 
 def _check_schema(cfg: Any, ref: Any, known: Collection[str], prefix: str,

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxrl import config as config_lib
@@ -33,6 +33,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    # JAX logs backend probing ("Unable to initialize backend 'tpu'") at INFO; keep the console
+    # for the run's own output unless the user asks (--verbosity=0).
+    logging.set_verbosity(logging.WARNING)
   import jax  # after flag parsing, so --help and bad flags never initialise a backend
 
   from jaxrl import envs, trainer
