@@ -201,7 +201,8 @@ def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -
 
 
 def validate(cfg: ConfigDict, num_devices: int,
-             task_names: Collection[str] | None = None) -> MeshShape:
+             task_names: Collection[str] | None = None,
+             problems: Collection[str] = ()) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
   A config file must start from `jaxrl.configs.default.get_config()` and change values: keys
@@ -212,6 +213,7 @@ def validate(cfg: ConfigDict, num_devices: int,
     cfg: the config to check.
     num_devices: number of devices the run will use (`jax.device_count()` in the caller).
     task_names: known task names; `task.name` is not checked when None.
+    problems: problems already found (e.g. by `parse_overrides`), reported first.
 
   Returns:
     The mesh shape with a -1 axis resolved against `num_devices`.
@@ -222,7 +224,7 @@ def validate(cfg: ConfigDict, num_devices: int,
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}")
   ref = default_config.get_config()
-  problems: list[str] = []
+  problems = list(problems)
   good: dict[str, Any] = {}
   _check_schema(cfg, ref, _flatten(ref).keys(), "", problems, good)
 
@@ -301,7 +303,8 @@ def _parse_value(text: str, ref: Any) -> Any:
   return text
 
 
-def parse_overrides(cfg: ConfigDict, argv: list[str]) -> ConfigDict:
+def parse_overrides(cfg: ConfigDict, argv: list[str],
+                    problems: list[str] | None = None) -> ConfigDict:
   """Returns a copy of `cfg` with `--config.a.b=value` arguments from `argv` applied.
 
   Values are parsed by the type of the key in `jaxrl.configs.default` (int, float, bool as
@@ -312,12 +315,17 @@ def parse_overrides(cfg: ConfigDict, argv: list[str]) -> ConfigDict:
   defined, so pass it `sys_argv=sys.argv[:1]` and give `app.run` a `flags_parser` that drops
   `--config.*` arguments before calling `flags.FLAGS(...)`.
 
+  With a `problems` list, bad overrides are appended to it and the good ones still applied, so
+  the caller can validate the rest and report everything at once.
+
   Raises:
-    ConfigError: naming every bad override (unknown key, section, unparsable value, no `=`).
+    ConfigError: naming every bad override (unknown key, section, unparsable value, no `=`),
+      when no `problems` list is given.
   """
   known = _flatten(default_config.get_config())
   out = cfg.to_dict()  # plain dicts: ConfigDict refuses a float into a field holding an int
-  problems = []
+  collect = problems is not None
+  problems = [] if problems is None else problems
   for arg in argv:
     if not arg.startswith("--" + _PREFIX):
       continue
@@ -341,6 +349,6 @@ def parse_overrides(cfg: ConfigDict, argv: list[str]) -> ConfigDict:
       if isinstance(node, dict):
         node[leaf] = value
       # Otherwise the loaded config has a scalar where a section belongs; validate reports it.
-  if problems:
+  if problems and not collect:
     raise ConfigError(problems)
   return ConfigDict(out)

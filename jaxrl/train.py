@@ -42,8 +42,10 @@ def main(argv: list[str]) -> None:
   from jaxrl import envs, trainer
 
   try:
-    cfg = config_lib.parse_overrides(_CONFIG.value, _OVERRIDES)
-    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=envs.TASKS)
+    problems: list[str] = []
+    cfg = config_lib.parse_overrides(_CONFIG.value, _OVERRIDES, problems)
+    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=envs.TASKS,
+                                     problems=problems)
   except config_lib.ConfigError as e:
     sys.exit(f"jaxrl: invalid config\n{e}")
   run_dir = cfg.run_dir or os.path.join(

@@ -44,8 +44,11 @@ def test_out_of_range_value_is_named(tmp_path):
 
 def test_mesh_that_does_not_divide_the_devices(tmp_path):
   flags = "--xla_force_host_platform_device_count=8"
-  proc = _train(["--config.mesh.data=3"], tmp_path, {"XLA_FLAGS": flags})
-  _assert_failed_before_compiling(proc, "config.mesh", "8")
+  # An override error and a validation error are reported together, not one per run.
+  proc = _train(["--config.mesh.data=3", "--config.train.lr=1e-3"], tmp_path,
+                {"XLA_FLAGS": flags})
+  _assert_failed_before_compiling(proc, "2 problems", "config.mesh", "not divide the 8",
+                                  "did you mean config.train.learning_rate")
 
 
 def test_unknown_key_in_a_config_file(tmp_path):
