@@ -94,6 +94,7 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.top_p", _in(0, 1, lo_open=True)),
     ("train.steps", _ge(0)),
     ("train.learning_rate", _gt(0)),
+    ("train.warmup_steps", _ge(0)),
     ("train.b1", _in(0, 1, hi_open=True)),
     ("train.b2", _in(0, 1, hi_open=True)),
     ("train.weight_decay", _ge(0)),

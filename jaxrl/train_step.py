@@ -40,10 +40,18 @@ class StepConfig:
 
 
 def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
-                   weight_decay: float = 0.0, grad_clip: float = 1.0
+                   weight_decay: float = 0.0, grad_clip: float = 1.0, warmup_steps: int = 0
                    ) -> optax.GradientTransformation:
+  """Global-norm clipping then AdamW, with an optional linear learning-rate warm-up.
+
+  A fresh Adam's first updates are sign-like (m / sqrt(v) = +-1) at the full rate; ramping the
+  rate over the first steps keeps them from undoing a warm-started policy.
+  """
+  lr = learning_rate
+  if warmup_steps > 0:
+    lr = optax.linear_schedule(0.0, learning_rate, warmup_steps)
   return optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
+                     optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
 def completion_logits(graphdef: nnx.GraphDef, params, batch: TrainBatch) -> jax.Array:

@@ -140,7 +140,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   r, t = cfg.rollout, cfg.train
   P, G = r.num_prompts, r.group_size
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       grad_clip=t.grad_clip)
+                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
   step_cfg = StepConfig(loss="grpo", clip_eps=cfg.loss.clip_eps, adv_eps=cfg.loss.adv_eps,
                         num_microbatches=t.num_microbatches)
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)

@@ -87,3 +87,16 @@ def test_sft_loss_decreases_on_a_fixed_batch():
   # lr 1e-3 on one batch: the NLL falls every step (3.47 -> 2.80 over 15 steps when written).
   assert all(b < a for a, b in zip(losses, losses[1:])), losses
   assert losses[-1] < 0.85 * losses[0], losses
+
+
+def test_learning_rate_warmup_starts_from_zero():
+  # linear_schedule(0, lr, 10): the first update uses lr 0 (params unchanged), the second 0.1 lr.
+  opt = make_optimizer(1e-2, warmup_steps=10)
+  params = {"w": jnp.ones(3)}
+  state = opt.init(params)
+  grads = {"w": jnp.array([1.0, -2.0, 3.0])}
+  upd, state = opt.update(grads, state, params)
+  np.testing.assert_array_equal(np.asarray(upd["w"]), 0.0)
+  upd, state = opt.update(grads, state, params)
+  # Adam's second step with a constant gradient: m/sqrt(v) = sign(g) (bias-corrected), x lr 1e-3.
+  np.testing.assert_allclose(np.asarray(upd["w"]), [-1e-3, 1e-3, -1e-3], rtol=1e-4)

@@ -55,7 +55,7 @@ def get_config() -> ConfigDict:
   c.rollout = ConfigDict()
   c.rollout.num_prompts = 32  # P: groups per step
   c.rollout.group_size = 8  # G: samples per prompt
-  c.rollout.max_prompt_len = 8  # prompts are left-padded to this (longer ones are rejected)
+  c.rollout.max_prompt_len = 6  # prompts are left-padded to this (longer ones are rejected)
   c.rollout.max_new_tokens = 4  # completion budget
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0  # 0: off
@@ -64,6 +64,7 @@ def get_config() -> ConfigDict:
   c.train = ConfigDict()
   c.train.steps = 300  # RL steps
   c.train.learning_rate = 1e-4
+  c.train.warmup_steps = 20  # linear lr ramp: a fresh Adam's first full-rate steps undo warm-up
   c.train.b1 = 0.9
   c.train.b2 = 0.98
   c.train.weight_decay = 0.0
