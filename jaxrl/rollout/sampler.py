@@ -28,6 +28,16 @@ from flax import nnx
 from jaxrl.models.transformer import KVCache, token_logprobs
 
 
+class _DecodeState(NamedTuple):
+  cache: KVCache
+  t: jax.Array  # index of the next token to draw
+  last: jax.Array  # [B] the token drawn last
+  done: jax.Array  # [B] row has emitted EOS
+  tokens: jax.Array  # [B, N]
+  logprobs: jax.Array  # [B, N]
+  mask: jax.Array  # [B, N]
+
+
 class SampleOutput(NamedTuple):
   tokens: jax.Array  # [B, N] int32, pad_id after EOS
   logprobs: jax.Array  # [B, N] float32, 0 where mask is False
@@ -101,36 +111,31 @@ def make_sampler(
     B = first_logits.shape[0]
     Lp = cache.valid.shape[1] - N
     request_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, request_ids)
-    sample = lambda logits, t: pick(logits, t, request_keys, temperature, top_k, top_p)
 
-    def emit(carry, tok, lp):
-      t, _, done, out_tok, out_lp, out_mask = carry[1:]
-      live = ~done
-      out_tok = out_tok.at[:, t].set(jnp.where(live, tok, pad_id))
-      out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
-      out_mask = out_mask.at[:, t].set(live)
-      return out_tok, out_lp, out_mask, done | (tok == eos_id)
+    def emit(s: _DecodeState, tok, lp) -> _DecodeState:
+      """Records token t for rows still live; rows that already ended get padding."""
+      live = ~s.done
+      return s._replace(
+          t=s.t + 1, last=tok, done=s.done | (tok == eos_id),
+          tokens=s.tokens.at[:, s.t].set(jnp.where(live, tok, pad_id)),
+          logprobs=s.logprobs.at[:, s.t].set(jnp.where(live, lp, 0.0)),
+          mask=s.mask.at[:, s.t].set(live))
 
-    tok0, lp0 = sample(first_logits, 0)
-    init = (cache, 0, tok0, jnp.zeros((B,), bool), jnp.full((B, N), pad_id, jnp.int32),
-            jnp.zeros((B, N), jnp.float32), jnp.zeros((B, N), bool))
-    out_tok, out_lp, out_mask, done = emit(init, tok0, lp0)
-    carry = (cache, 1, tok0, done, out_tok, out_lp, out_mask)
+    def body(s: _DecodeState) -> _DecodeState:
+      # Feed token t-1 into slot Lp + t - 1 at its row's own position, then draw token t.
+      hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
+                            s.cache, Lp + s.t - 1)
+      logits = model.logits(hidden[:, 0])
+      return emit(s._replace(cache=cache), *pick(logits, s.t, request_keys, temperature, top_k,
+                                                 top_p))
 
-    def cond(carry):
-      return (carry[1] < N) & ~jnp.all(carry[3])
-
-    def body(carry):
-      cache, t, last, done = carry[:4]
-      pos = (prompt_lens + t - 1)[:, None]
-      hidden, cache = model(last[:, None], pos, ~done[:, None], cache, Lp + t - 1)
-      tok, lp = sample(model.logits(hidden[:, 0]), t)
-      out_tok, out_lp, out_mask, done = emit(carry, tok, lp)
-      return (cache, t + 1, tok, done, out_tok, out_lp, out_mask)
-
-    carry = jax.lax.while_loop(cond, body, carry)
-    out_tok, out_lp, out_mask = carry[4:]
-    return SampleOutput(out_tok, out_lp, out_mask, out_mask.sum(-1).astype(jnp.int32)), carry[0]
+    empty = _DecodeState(cache, jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+                         jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
+                         jnp.zeros((B, N), bool))
+    # Token 0 comes from prefill's logits; the loop draws tokens 1.. until all rows ended.
+    s = emit(empty, *pick(first_logits, 0, request_keys, temperature, top_k, top_p))
+    s = jax.lax.while_loop(lambda s: (s.t < N) & ~jnp.all(s.done), body, s)
+    return SampleOutput(s.tokens, s.logprobs, s.mask, s.mask.sum(-1).astype(jnp.int32)), s.cache
 
   # The cache is donated and returned: the loop updates prefill's buffer in place instead of
   # first copying it (an undonated input must stay intact).
