@@ -62,7 +62,7 @@ def get_config() -> ConfigDict:
   c.rollout.top_p = 1.0  # 1.0: off
 
   c.train = ConfigDict()
-  c.train.steps = 300  # RL steps
+  c.train.steps = 500  # RL steps
   c.train.learning_rate = 1e-4
   c.train.warmup_steps = 20  # linear lr ramp: a fresh Adam's first full-rate steps undo warm-up
   c.train.b1 = 0.9
@@ -76,7 +76,7 @@ def get_config() -> ConfigDict:
   c.loss.adv_eps = 1e-4  # advantage = (r - mean) / (std + eps), population std (ddof=0)
 
   c.eval = ConfigDict()
-  c.eval.every = 10  # held-out greedy eval period in RL steps (also at start and end)
+  c.eval.every = 20  # held-out greedy eval period in RL steps (also at start and end)
   c.eval.batch_size = 1000
 
   c.mesh = ConfigDict()
