@@ -11,7 +11,7 @@ from jaxrl.models import KVCache, init_model
 from jaxrl.rollout.sampler import left_positions, make_sampler
 
 VARIANTS = {
-    "llama": {},
+    "llama_unrolled": {"scan_layers": False},
     "qwen2_bias_tied": {"qkv_bias": True, "tie_embeddings": True},
     "qwen3_qknorm_scan": {"qk_norm": True, "scan_layers": True},
 }
@@ -94,9 +94,13 @@ def test_scan_and_unrolled_layers_agree():
 
 
 def test_kv_cache_buffers_are_distinct_for_donation():
-  cache = KVCache.zeros(tiny_model_config(), batch=2, slots=4)
-  assert cache.k is not cache.v
-  assert cache.k.shape == (2, 2, 4, 2, 8) and cache.valid.dtype == jnp.bool_
+  stacked = KVCache.zeros(tiny_model_config(scan_layers=True), batch=2, slots=4)
+  assert stacked.k is not stacked.v
+  assert stacked.k.shape == (2, 2, 2, 4, 8)  # [L, B, K, S, Dh]
+  per_layer = KVCache.zeros(tiny_model_config(scan_layers=False), batch=2, slots=4)
+  buffers = [*per_layer.k, *per_layer.v]
+  assert len({id(b) for b in buffers}) == 4 and buffers[0].shape == (2, 2, 4, 8)
+  assert stacked.valid.dtype == jnp.bool_
 
 
 def test_qwen2_5_0_5b_preset_matches_the_published_shapes():

@@ -74,17 +74,23 @@ class ModelConfig:
 class KVCache(NamedTuple):
   """Per-layer keys/values by slot plus which slots hold real tokens."""
 
-  k: jax.Array  # [L, B, S, K, Dh]
-  v: jax.Array  # [L, B, S, K, Dh]
+  # kv-head-major, so attention reads [B, K, S, Dh] without a transpose: stacked
+  # [L, B, K, S, Dh] when layers are scanned, a tuple of L [B, K, S, Dh] arrays when unrolled.
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   valid: jax.Array  # [B, S] bool
 
   @staticmethod
   def zeros(cfg: ModelConfig, batch: int, slots: int) -> "KVCache":
-    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
     dt = DTYPES[cfg.dtype]
-    # Two separate buffers: the decode loop donates the cache, and XLA refuses to donate one
-    # buffer twice.
-    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, slots), bool))
+    # Separate buffers throughout: the decode loop donates the cache, and XLA refuses to donate
+    # one buffer twice.
+    if cfg.scan_layers:
+      zeros = lambda: jnp.zeros((cfg.num_layers, *shape), dt)
+    else:
+      zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    return KVCache(zeros(), zeros(), jnp.zeros((batch, slots), bool))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -174,13 +180,13 @@ class Transformer(nnx.Module):
       q_slot = cache_index + jnp.arange(T)
       S = cache.valid.shape[1]
     causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
-    mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
+    mask = causal[None, None, None] & key_valid[:, None, None, None, :]  # [B, 1, 1, T, S]
 
-    G = cfg.num_heads // cfg.num_kv_heads
+    K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
 
-    def layer(h, xs):
-      p, k_cache, v_cache = xs
+    def block(h, p, kv):
+      """One decoder layer; `kv(k, v)` stores the new keys/values and returns all of them."""
       a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
       q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
       k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
@@ -191,38 +197,60 @@ class Transformer(nnx.Module):
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
       q = rope(q, positions, cfg.rope_theta)
-      k = rope(k, positions, cfg.rope_theta)
-      if k_cache is None:
-        k_all, v_all = k, v
-      else:
-        k_all = jax.lax.dynamic_update_slice(k_cache, k, (0, cache_index, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_cache, v, (0, cache_index, 0, 0))
-      qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
-      s = jnp.einsum("btkgd,bskd->bkgts", qg, k_all).astype(jnp.float32) * scale
-      s = jnp.where(mask[:, None, None], s, _MASK_VALUE)
+      k = rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+      k_all, v_all = kv(k, v.transpose(0, 2, 1, 3))
+      qg = q.reshape(B, T, K, G, cfg.head_dim)
+      s = jnp.einsum("btkgd,bksd->bkgts", qg, k_all).astype(jnp.float32) * scale
+      s = jnp.where(mask, s, _MASK_VALUE)
       w = jax.nn.softmax(s, axis=-1).astype(dt)
-      o = jnp.einsum("bkgts,bskd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
+      o = jnp.einsum("bkgts,bksd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
       h = h + jnp.einsum("bthk,hkd->btd", o, p["wo"])
       m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
       gate = jnp.einsum("btd,df->btf", m, p["w_gate"])
       up = jnp.einsum("btd,df->btf", m, p["w_up"])
-      h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
-      # Only the new slots leave the scan; the caller writes them into the cache once, which
-      # XLA can do in place on a donated buffer.
-      return h, (k, v)
+      return h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+
+    def write(buf, new, at):
+      return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), at)
 
     params = self._layer_params()
-    unroll = 1 if cfg.scan_layers else cfg.num_layers
-    if cache is None:
-      x, _ = jax.lax.scan(lambda h, p: layer(h, (p, None, None)), x, params, unroll=unroll)
-      new_cache = None
+    new_cache = None
+    if not cfg.scan_layers:
+      # Unrolled: one cache array per layer, updated in place inside the decode loop.
+      ks, vs = [], []
+      for i in range(cfg.num_layers):
+        def kv(k, v, i=i):
+          if cache is None:
+            return k, v
+          ks.append(write(cache.k[i], k, (0, 0, cache_index, 0)))
+          vs.append(write(cache.v[i], v, (0, 0, cache_index, 0)))
+          return ks[-1], vs[-1]
+        x = block(x, jax.tree.map(lambda w, i=i: w[i], params), kv)
+      if cache is not None:
+        new_cache = KVCache(tuple(ks), tuple(vs), key_valid)
     else:
-      x, (k_new, v_new) = jax.lax.scan(layer, x, (params, cache.k, cache.v), unroll=unroll)
-      new_cache = KVCache(
-          jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, cache_index, 0, 0)),
-          jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, cache_index, 0, 0)),
-          key_valid,
-      )
+      # Scanned: stacked [L, ...] caches in the carry. Each layer writes its new slots before
+      # reading its slice, so XLA updates the carried buffer in place instead of copying it.
+      def body(carry, xs):
+        h, k_cache, v_cache = carry
+        p, i = xs
+        out = {}
+
+        def kv(k, v):
+          if k_cache is None:
+            return k, v
+          at = (i, 0, 0, cache_index, 0)
+          out["k"], out["v"] = write(k_cache, k[None], at), write(v_cache, v[None], at)
+          return (jax.lax.dynamic_index_in_dim(out["k"], i, keepdims=False),
+                  jax.lax.dynamic_index_in_dim(out["v"], i, keepdims=False))
+
+        h = block(h, p, kv)
+        return (h, out.get("k", k_cache), out.get("v", v_cache)), None
+
+      init = (x, None, None) if cache is None else (x, cache.k, cache.v)
+      (x, k_cache, v_cache), _ = jax.lax.scan(body, init, (params, jnp.arange(cfg.num_layers)))
+      if cache is not None:
+        new_cache = KVCache(k_cache, v_cache, key_valid)
     return rms_norm(x, self.final_norm[...].astype(dt), cfg.rms_eps), new_cache
 
   def unembedding(self) -> jax.Array:

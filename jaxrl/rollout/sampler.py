@@ -93,7 +93,8 @@ def make_sampler(
     # Left padding puts every prompt's last real token in the last slot.
     last_logits = model.logits(hidden[:, -1])
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis)
-    cache = KVCache(rep(cache.k, 1), rep(cache.v, 1), rep(cache.valid, 0))
+    # The batch axis is 4th from the end in both cache layouts (stacked or per layer).
+    cache = jax.tree.map(lambda x: rep(x, x.ndim - 4) if x.ndim >= 4 else rep(x, 0), cache)
     prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
     return cache, rep(last_logits, 0), rep(prompt_lens, 0)
 
