@@ -75,7 +75,8 @@ def test_microbatches_match_single_batch():
 
 
 def test_non_finite_gradient_skips_the_update():
-  bad = _batch()._replace(rewards=np.full(B, np.nan, np.float32))
+  # A NaN temperature makes every log-prob, and so the gradient, NaN.
+  bad = _batch()._replace(temperature=np.full(B, np.nan, np.float32))
   state, m, _ = _run((1, 1, 1), batch=bad, steps=1)
   _, init_params = init_model(tiny_model_config(), seed=0)
   assert int(m["skipped_nonfinite"]) == 1 and int(state.step) == 0
