@@ -111,3 +111,20 @@ def test_qwen2_5_0_5b_preset_matches_the_published_shapes():
   # 494,032,768 = embed 151936*896 + 24 layers * (q 896*896+896 + k,v 2*(896*128+128)
   #   + o 896*896 + mlp 3*896*4864 + 2 norms 2*896) + final norm 896; lm_head tied.
   assert n == 494_032_768
+
+
+def test_bfloat16_compute_keeps_float32_logprobs():
+  # Same f32 parameters, bf16 compute: log-probs stay float32 and close to the f32 model's
+  # (bf16 has ~3 significant digits, so the tolerance is loose but far below a wrong model's).
+  prompts, valid = _prompts()
+  outs = {}
+  for dt in ("float32", "bfloat16"):
+    cfg = tiny_model_config(dtype=dt)
+    graphdef, params = init_model(cfg, seed=4)
+    gen = make_sampler(graphdef, num_samples=1, max_new_tokens=4, eos_id=cfg.vocab_size, pad_id=0)
+    outs[dt] = gen(params, prompts, valid, jax.random.key(0), np.arange(2), 0.0)
+  assert outs["bfloat16"].logprobs.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(outs["bfloat16"].tokens)[:, 0],
+                                np.asarray(outs["float32"].tokens)[:, 0])
+  np.testing.assert_allclose(np.asarray(outs["bfloat16"].logprobs)[:, 0],
+                             np.asarray(outs["float32"].logprobs)[:, 0], atol=0.05)
