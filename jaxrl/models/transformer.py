@@ -200,10 +200,20 @@ class Transformer(nnx.Module):
       k = rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
       k_all, v_all = kv(k, v.transpose(0, 2, 1, 3))
       qg = q.reshape(B, T, K, G, cfg.head_dim)
-      s = jnp.einsum("btkgd,bksd->bkgts", qg, k_all).astype(jnp.float32) * scale
+      if T == 1:
+        # Single-token decode: multiply-and-reduce fuses into one vectorised loop on CPU, where
+        # the equivalent batched dot is B*K tiny matmuls.
+        qd = qg[:, 0, :, :, None, :].astype(jnp.float32)  # [B, K, G, 1, Dh]
+        s = jnp.sum(qd * k_all[:, :, None].astype(jnp.float32), -1)[:, :, :, None] * scale
+      else:
+        s = jnp.einsum("btkgd,bksd->bkgts", qg, k_all).astype(jnp.float32) * scale
       s = jnp.where(mask, s, _MASK_VALUE)
       w = jax.nn.softmax(s, axis=-1).astype(dt)
-      o = jnp.einsum("bkgts,bksd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
+      if T == 1:
+        o = jnp.sum(w[:, :, :, 0, :, None] * v_all[:, :, None], axis=-2).astype(dt)  # [B,K,G,Dh]
+        o = o.reshape(B, 1, cfg.num_heads, cfg.head_dim)
+      else:
+        o = jnp.einsum("bkgts,bksd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
       h = h + jnp.einsum("bthk,hkd->btd", o, p["wo"])
       m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
       gate = jnp.einsum("btd,df->btf", m, p["w_gate"])
