@@ -184,13 +184,22 @@ class Transformer(nnx.Module):
 
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
+    fuse = not cfg.scan_layers
 
     def block(h, p, kv):
       """One decoder layer; `kv(k, v)` stores the new keys/values and returns all of them."""
       a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-      q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
-      k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
-      v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
+      if fuse:
+        # One matmul for q, k and v: with unrolled layers the weights are loop-invariant, so XLA
+        # hoists the concatenation out of the decode loop. (In a layer scan they are sliced per
+        # layer and it would copy them every step.)
+        qkv = jnp.einsum("btd,dhk->bthk", a,
+                         jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1))
+        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + K], axis=2)
+      else:
+        q = jnp.einsum("btd,dhk->bthk", a, p["wq"])
+        k = jnp.einsum("btd,dhk->bthk", a, p["wk"])
+        v = jnp.einsum("btd,dhk->bthk", a, p["wv"])
       if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
       if cfg.qk_norm:
@@ -216,8 +225,13 @@ class Transformer(nnx.Module):
         o = jnp.einsum("bkgts,bksd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
       h = h + jnp.einsum("bthk,hkd->btd", o, p["wo"])
       m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-      gate = jnp.einsum("btd,df->btf", m, p["w_gate"])
-      up = jnp.einsum("btd,df->btf", m, p["w_up"])
+      if fuse:
+        gate, up = jnp.split(
+            jnp.einsum("btd,df->btf", m, jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)), 2,
+            axis=-1)
+      else:
+        gate = jnp.einsum("btd,df->btf", m, p["w_gate"])
+        up = jnp.einsum("btd,df->btf", m, p["w_up"])
       return h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
 
     def write(buf, new, at):
