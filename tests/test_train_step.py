@@ -59,7 +59,7 @@ def test_sharded_step_matches_single_device(devices):
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
   assert _max_param_diff(state.params, ref_state.params) <= 1e-5
   # The params really were distributed: wq [L, D, H, Dh] over fsdp (D) and tensor (H).
-  spec = state.params["wq"].value.sharding.spec
+  spec = state.params["wq"][...].sharding.spec
   assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   # Two steps moved the params, so "equal" is not "both unchanged".
   _, init_params = init_model(tiny_model_config(), seed=0)
@@ -80,7 +80,7 @@ def test_non_finite_gradient_skips_the_update():
   mesh = parallel.make_mesh(1, 1, 1)
   graphdef, params = init_model(cfg, seed=0)
   batch = _batch()
-  params["embed"].value = params["embed"].value.at[int(batch.tokens[0, 0])].set(jnp.nan)
+  params["embed"][...] = params["embed"][...].at[int(batch.tokens[0, 0])].set(jnp.nan)
   before = jax.tree.map(np.asarray, params)
   step, init = build_train_step(graphdef, make_optimizer(1e-3), StepConfig(), mesh, params)
   state, m = step(init(params), jax.device_put(batch, parallel.batch_sharding(mesh)))
