@@ -22,7 +22,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.configs.default import get_config

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from jaxrl import parallel
 from jaxrl.losses import LOSSES, group_advantages
@@ -170,4 +170,4 @@ def shard_params(params, mesh: Mesh):
 
 def to_rows(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
   """Host arrays -> device arrays with rows split over ('data', 'fsdp')."""
-  return jax.device_put(batch, NamedSharding(mesh, P(parallel.sharding.BATCH_AXES)))
+  return jax.device_put(batch, parallel.batch_sharding(mesh))

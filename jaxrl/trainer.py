@@ -16,7 +16,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
@@ -27,7 +26,8 @@ from jaxrl.data import left_pad
 from jaxrl.envs import TASKS
 from jaxrl.models import ModelConfig, init_model
 from jaxrl.rollout.sampler import make_sampler
-from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, shard_params
+from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
+                              to_rows)
 from jaxrl.types import TrainBatch
 
 
@@ -97,10 +97,6 @@ class Parts:
     return correct / len(problems)
 
 
-def _to_device(batch: TrainBatch, mesh) -> TrainBatch:
-  return jax.device_put(batch, parallel.batch_sharding(mesh))
-
-
 def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
   cfg = parts.cfg.sft
   if not cfg.enabled or cfg.max_steps == 0:
@@ -117,7 +113,7 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
   progress.say(f"warm-up: supervised steps until dev accuracy >= {cfg.stop_accuracy}")
   for steps in range(1, cfg.max_steps + 1):
     batch = parts.sft_batch(parts.task.sample(rng, cfg.batch_size))
-    state, m = step_fn(state, _to_device(batch, parts.mesh))
+    state, m = step_fn(state, to_rows(batch, parts.mesh))
     row = {"phase": "sft", "step": steps, "sft/loss": m["loss"]}
     if steps % cfg.eval_every == 0:
       acc = parts.evaluate(state.params, dev)
@@ -168,7 +164,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     t_sample = st()
     batch = TrainBatch(np.repeat(prompts, G, 0), np.repeat(valid, G, 0), tokens, mask, logprobs,
                        rewards, group_id, temperature)
-    state, m = step_fn(state, _to_device(batch, parts.mesh))
+    state, m = step_fn(state, to_rows(batch, parts.mesh))
     m = jax.device_get(m)
     dt = st()
     groups = rewards.reshape(P, G)
