@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrl import parallel
 from jaxrl.losses import LOSSES, group_advantages
-from jaxrl.models.transformer import token_logprobs
+from jaxrl.models.transformer import scale_logits, token_logprobs
 from jaxrl.rollout.sampler import left_positions
 from jaxrl.types import TrainBatch, TrainState
 
@@ -71,8 +71,7 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, cfg: Step
   loss_sum, count, extra = LOSSES[cfg.loss](logp, jax.lax.stop_gradient(logp), advantages,
                                             batch.mask, cfg.clip_eps)
   m = batch.mask
-  logz = jax.nn.log_softmax(logits / jnp.where(batch.temperature > 0, batch.temperature,
-                                               1.0)[:, None, None])
+  logz = jax.nn.log_softmax(scale_logits(logits, batch.temperature[:, None]))
   entropy = -jnp.sum(jnp.exp(logz) * logz, axis=-1)
   diff = jnp.abs(jax.lax.stop_gradient(logp) - batch.rollout_logprobs)
   sums = {

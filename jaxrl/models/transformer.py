@@ -305,15 +305,19 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
 
 
+def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """float32 `logits / T`; `temperature <= 0` (greedy) scales by 1. T is a scalar or one per
+  row of `logits[..., :]`."""
+  t = jnp.asarray(temperature, jnp.float32)
+  return logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[..., None]
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> jax.Array:
   """The one log-prob definition: `log_softmax(logits / T)[target]` over the full vocabulary, f32.
 
   Used by the sampler, the trainer's recompute and (later) the reference model, so they agree by
   construction. `temperature <= 0` means greedy decoding; its log-probs are taken at T = 1.
   """
-  t = jnp.asarray(temperature, jnp.float32)
-  t = jnp.where(t > 0, t, 1.0)[..., None]  # a scalar, or one per target
-  z = logits.astype(jnp.float32) / t
-  lse = jax.nn.logsumexp(z, axis=-1)
+  z = scale_logits(logits, temperature)
   picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return picked - lse
+  return picked - jax.nn.logsumexp(z, axis=-1)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.transformer import KVCache, token_logprobs
+from jaxrl.models.transformer import KVCache, scale_logits, token_logprobs
 
 
 class _DecodeState(NamedTuple):
@@ -100,8 +100,7 @@ def make_sampler(
 
   def pick(logits, t, request_keys, temperature, top_k, top_p):
     greedy = temperature <= 0
-    z = logits / jnp.where(greedy, 1.0, temperature)
-    z = filter_logits(z, top_k, top_p)
+    z = filter_logits(scale_logits(logits, temperature), top_k, top_p)
     keys = jax.vmap(jax.random.fold_in, (0, None))(request_keys, t)
     drawn = jax.vmap(jax.random.categorical)(keys, z)
     tok = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
