@@ -1,5 +1,38 @@
-"""Pure loss, advantage and reduction functions. Imports nothing from jaxrl but `types`."""
+"""Pure loss, advantage, KL and metric functions: arrays in, arrays out; jit, vmap and grad work.
 
-from jaxrl.losses.grpo import group_advantages, nll_loss, ppo_clip_loss, LOSSES
+Imports nothing from jaxrl but `types`, so other trainers can use it on their own arrays.
+Each name below is selectable by a config string from a small registry:
 
-__all__ = ["group_advantages", "nll_loss", "ppo_clip_loss", "LOSSES"]
+- advantages: `ADVANTAGE_ESTIMATORS` (`grpo`, `dr_grpo`, `rloo`) via `compute_advantages`;
+- KL estimators: `KL_ESTIMATORS` (`k1`, `k2`, `k3`, `abs`) via `kl_estimate`;
+- policy losses: `POLICY_LOSSES` (`ppo`, `gspo`, `cispo`, `reinforce`) via `policy_loss`;
+- off-policy corrections: `CORRECTIONS` via `combine` (names joined by `+` in configs);
+- reductions: `REDUCTIONS` via `reduce`, each returning `(sum, count)`;
+- the composed objective (`objective`, `ObjectiveConfig`) and mismatch metrics.
+"""
+
+from jaxrl.losses import stats
+from jaxrl.losses.advantages import (ADVANTAGE_ESTIMATORS, clip_advantages, compute_advantages,
+                                     dr_grpo, grpo, rloo)
+from jaxrl.losses.corrections import (CORRECTIONS, WEIGHTING, Correction, CorrectionParams,
+                                      combine, correction, parse_correction)
+from jaxrl.losses.kl import KL_ESTIMATORS, kl_estimate
+from jaxrl.losses.mismatch import mismatch_metrics
+from jaxrl.losses.objective import KL_REDUCTIONS, ObjectiveConfig, global_counts, objective
+from jaxrl.losses.policy import (POLICY_LOSSES, PolicyLoss, cispo, gspo, policy_loss, ppo,
+                                 reinforce)
+from jaxrl.losses.reductions import REDUCTIONS, count, reduce
+
+
+def nll(lp, mask):
+  """Supervised warm-up loss: `(sum_t m (-lp), sum_t m)`."""
+  return reduce("token_mean", -lp, mask)
+
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "KL_ESTIMATORS", "KL_REDUCTIONS", "POLICY_LOSSES",
+    "REDUCTIONS", "WEIGHTING", "Correction", "CorrectionParams", "ObjectiveConfig", "PolicyLoss",
+    "cispo", "clip_advantages", "combine", "compute_advantages", "correction", "count", "dr_grpo",
+    "global_counts", "grpo", "gspo", "kl_estimate", "mismatch_metrics", "nll", "objective",
+    "parse_correction", "policy_loss", "ppo", "reduce", "reinforce", "rloo", "stats",
+]

@@ -1,0 +1,97 @@
+"""Outcome advantages over explicit groups: one scalar per sample, broadcast to its tokens.
+
+Every estimator takes `rewards [B]`, `group_id [B]` (any ints; groups are never inferred from
+equal prompts) and `valid [B]` (False for failed or placeholder samples). Statistics use only
+valid members; invalid samples get advantage exactly 0 and their rewards may be NaN/inf.
+No group count is static: ids are densified inside, so any ints work under jit.
+
+| name      | A_i for a valid member of group g with n valid members                     |
+| --------- | -------------------------------------------------------------------------- |
+| `grpo`    | `(r_i - mean_g) / (std_g + eps)`; std with `ddof` (default 0, population)   |
+| `dr_grpo` | `r_i - mean_g` (no std division: Dr. GRPO)                                  |
+| `rloo`    | `r_i - (sum_g - r_i) / (n - 1)`, the leave-one-out mean; 0 when n = 1       |
+
+`grpo` gives exactly 0 to a zero-variance group (also with eps = 0, where 0/0 would be NaN) and
+to a group with `n <= ddof` members. `rloo` with G members equals `G / (G - 1)` times
+`dr_grpo`. Clipping (`clip_advantages`) is applied after the estimator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def _stats(rewards, group_id, valid):
+  """(r, valid, per-sample valid count n, per-sample group sum) with invalid rewards zeroed."""
+  b = rewards.shape[0]
+  # Segment ops silently drop ids >= num_segments, so any ints are densified to [0, B) first.
+  _, dense = jnp.unique(group_id, size=b, return_inverse=True)
+  dense = dense.reshape(b)
+  valid = jnp.ones((b,), bool) if valid is None else jnp.asarray(valid, bool)
+  r = jnp.where(valid, jnp.asarray(rewards, jnp.float32), 0.0)
+  v = valid.astype(jnp.float32)
+  n = jax.ops.segment_sum(v, dense, num_segments=b)[dense]
+  total = jax.ops.segment_sum(r, dense, num_segments=b)[dense]
+  return r, valid, dense, n, total
+
+
+def grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None, *,
+         eps: float = 1e-6, ddof: int = 0) -> jax.Array:
+  """`A_i = (r_i - mean_g) / (std_g + eps)`, std = sqrt(sum (r - mean)^2 / (n - ddof)).
+
+  Golden: rewards [1, 0, 0, 0] (eps 0, ddof 0) -> mean 1/4, std sqrt(1/4 * 3/4) = 0.4330,
+  A = [0.75, -0.25, -0.25, -0.25] / 0.4330 = [1.732, -0.577, -0.577, -0.577].
+  """
+  r, valid, dense, n, total = _stats(rewards, group_id, valid)
+  b = r.shape[0]
+  mean = total / jnp.maximum(n, 1.0)
+  centred = jnp.where(valid, r - mean, 0.0)
+  ss = jax.ops.segment_sum(centred * centred, dense, num_segments=b)[dense]
+  std = jnp.sqrt(ss / jnp.maximum(n - ddof, 1.0))
+  ok = valid & (std > 0) & (n > ddof)
+  return jnp.where(ok, centred / jnp.where(ok, std + eps, 1.0), 0.0)
+
+
+def dr_grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
+            ) -> jax.Array:
+  """`A_i = r_i - mean_g` over valid members (Dr. GRPO: no std normalisation)."""
+  r, valid, _, n, total = _stats(rewards, group_id, valid)
+  return jnp.where(valid, r - total / jnp.maximum(n, 1.0), 0.0)
+
+
+def rloo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+  """`A_i = r_i - (sum_g - r_i) / (n - 1)`: baseline is the mean of the *other* valid members.
+
+  A group with a single valid member has no baseline and gets 0.
+  """
+  r, valid, _, n, total = _stats(rewards, group_id, valid)
+  ok = valid & (n > 1)
+  return jnp.where(ok, r - (total - r) / jnp.where(ok, n - 1.0, 1.0), 0.0)
+
+
+def clip_advantages(advantages: jax.Array, low: float | None = None,
+                    high: float | None = None) -> jax.Array:
+  """`clip(A, low, high)`; None leaves that side open."""
+  if low is None and high is None:
+    return advantages
+  return jnp.clip(advantages, low, high)
+
+
+def compute_advantages(estimator: str, rewards: jax.Array, group_id: jax.Array,
+                       valid: jax.Array | None = None, *, eps: float = 1e-6, ddof: int = 0,
+                       clip_low: float | None = None, clip_high: float | None = None
+                       ) -> jax.Array:
+  """The estimator named by `estimator` (see the module table), then clipping."""
+  if estimator == "grpo":
+    a = grpo(rewards, group_id, valid, eps=eps, ddof=ddof)
+  elif estimator == "dr_grpo":
+    a = dr_grpo(rewards, group_id, valid)
+  elif estimator == "rloo":
+    a = rloo(rewards, group_id, valid)
+  else:
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of "
+                     f"{ADVANTAGE_ESTIMATORS}")
+  return clip_advantages(a, clip_low, clip_high)

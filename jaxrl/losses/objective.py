@@ -1,0 +1,129 @@
+"""The RL objective composed from the library's parts: one micro-batch's share of the loss.
+
+    loss = [ reduce(where(keep, w * policy_loss, 0)) / C_policy ]
+         + rollout_kl_coef * [ reduce(kl(lp, lp_gen)) / C_rollout_kl ]
+         + ref_kl_coef     * [ reduce(kl(lp, lp_ref)) / C_ref_kl ]
+         - entropy_coef    * [ reduce(entropy) / C_policy ]
+
+`(w, keep)` come from the off-policy corrections and the optional sequence masking by
+`seq_logprob_error_threshold`; each `C` is the *global* count of its reduction over the whole
+batch (`global_counts`), so summing this function over micro-batches gives the full-batch loss
+and gradient exactly, and a padding micro-batch (mask all False) adds exactly 0.
+
+The rollout-KL reduction is `token_mean` or `seq_mean` (= `seq_mean_token_mean`). Metrics come
+back as a `Stats` partial (see `jaxrl.losses.stats`): `loss`, `loss/policy`, `ratio/*`,
+`clip_frac`, `entropy`, `rollout_kl`, `ref_kl`, `mismatch/*` and the corrections' fractions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.losses import corrections as corr
+from jaxrl.losses import stats as st
+from jaxrl.losses.kl import kl_estimate
+from jaxrl.losses.mismatch import mismatch_metrics
+from jaxrl.losses.policy import policy_loss
+from jaxrl.losses.reductions import count, reduce
+
+KL_REDUCTIONS = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+  """Static settings of the objective (hashable: part of the jitted step's identity)."""
+
+  policy: str = "ppo"  # ppo | gspo | cispo | reinforce
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float | None = None  # c > 1 caps the loss of A < 0 tokens at -A c
+  correction: tuple[str, ...] = ()  # names from jaxrl.losses.corrections, applied in order
+  correction_params: corr.CorrectionParams = corr.CorrectionParams()
+  reduction: str = "token_mean"
+  norm_len: int | None = None  # seq_mean_token_sum_norm constant; None = completion length
+  rollout_kl_coef: float = 0.0
+  rollout_kl_estimator: str = "k2"
+  rollout_kl_reduction: str = "token_mean"  # token_mean | seq_mean
+  ref_kl_coef: float = 0.0
+  ref_kl_estimator: str = "k3"
+  ref_kl_reduction: str = "token_mean"
+  entropy_coef: float = 0.0
+  seq_logprob_error_threshold: float | None = None  # mask rows with E_i above it
+
+  def reductions(self) -> tuple[str, ...]:
+    """Every reduction whose global count the objective divides by."""
+    return tuple(sorted({self.reduction, KL_REDUCTIONS[self.rollout_kl_reduction],
+                         KL_REDUCTIONS[self.ref_kl_reduction]}))
+
+
+def global_counts(cfg: ObjectiveConfig, mask: jax.Array) -> dict[str, jax.Array]:
+  """Counts of the whole batch for every reduction the objective uses (computed once)."""
+  return {name: count(name, mask) for name in cfg.reductions()}
+
+
+def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.Array,
+              mask: jax.Array, counts: dict[str, jax.Array], *, lp_gen: jax.Array | None = None,
+              lp_ref: jax.Array | None = None, entropy: jax.Array | None = None
+              ) -> tuple[jax.Array, st.Stats]:
+  """This micro-batch's share of the loss, and its metric partials (see the module docstring).
+
+  `lp_gen` is required when a correction, the rollout-KL term or the error threshold is on;
+  `lp_ref` when `ref_kl_coef != 0`; `entropy` when `entropy_coef != 0`.
+  """
+  mask = jnp.asarray(mask, bool)
+  div = lambda s, red: s / jnp.maximum(counts[red], 1.0)
+  needs_gen = bool(cfg.correction) or cfg.rollout_kl_coef != 0 or \
+      cfg.seq_logprob_error_threshold is not None
+  if needs_gen and lp_gen is None:
+    raise ValueError("this objective needs the sampler's log-probs (lp_gen): corrections, "
+                     "rollout KL and seq_logprob_error_threshold are computed against them")
+  if cfg.ref_kl_coef != 0 and lp_ref is None:
+    raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
+  if cfg.entropy_coef != 0 and entropy is None:
+    raise ValueError("entropy_coef != 0 needs the per-token entropy")
+
+  kw = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+  pol = policy_loss(cfg.policy, lp, lp_old, adv, mask, **kw)
+  parts = []
+  weight, keep = jnp.ones(mask.shape, jnp.float32), mask
+  if lp_gen is not None:
+    mm, keep_rows = mismatch_metrics(lp_old, lp_gen, mask, cfg.seq_logprob_error_threshold)
+    parts.append(mm)
+    keep = keep & keep_rows[:, None]
+    if cfg.correction:
+      c = corr.combine(cfg.correction, lp, lp_old, lp_gen, adv, mask, cfg.correction_params)
+      weight, keep = c.weight, keep & c.keep
+      parts.append(st.Stats(dict(c.metrics), {}, {}, {}))
+  pg_sum, _ = reduce(cfg.reduction, jnp.where(keep, weight * pol.loss, 0.0), mask, cfg.norm_len)
+  loss = div(pg_sum, cfg.reduction)
+
+  means = {
+      "loss/policy": (pg_sum, count(cfg.reduction, mask)),
+      "ratio/mean": st.masked_mean(pol.ratio, mask),
+      "clip_frac": st.masked_mean(pol.clipped, mask),
+      "keep_frac": st.masked_mean(keep.astype(jnp.float32), mask),
+  }
+  maxes = {"ratio/max": st.masked_max(pol.ratio, mask)}
+  mins = {"ratio/min": st.masked_min(pol.ratio, mask)}
+  if lp_gen is not None:
+    red = KL_REDUCTIONS[cfg.rollout_kl_reduction]
+    kl_sum, kl_n = reduce(red, kl_estimate(lp, lp_gen, cfg.rollout_kl_estimator, mask), mask)
+    means["rollout_kl"] = (kl_sum, kl_n)
+    if cfg.rollout_kl_coef != 0:
+      loss = loss + cfg.rollout_kl_coef * div(kl_sum, red)
+  if lp_ref is not None:
+    red = KL_REDUCTIONS[cfg.ref_kl_reduction]
+    kl_sum, kl_n = reduce(red, kl_estimate(lp, lp_ref, cfg.ref_kl_estimator, mask), mask)
+    means["ref_kl"] = (kl_sum, kl_n)
+    if cfg.ref_kl_coef != 0:
+      loss = loss + cfg.ref_kl_coef * div(kl_sum, red)
+  if entropy is not None:
+    ent_sum, _ = reduce(cfg.reduction, entropy, mask, cfg.norm_len)
+    means["entropy"] = st.masked_mean(entropy, mask)
+    if cfg.entropy_coef != 0:
+      loss = loss - cfg.entropy_coef * div(ent_sum, cfg.reduction)
+  parts.append(st.Stats(means, {"loss": loss}, maxes, mins))
+  return loss, st.union(*parts)

@@ -1,0 +1,118 @@
+"""Per-token policy-gradient losses.
+
+Inputs, per token of a `[B, N]` batch: `lp` (log-prob under the params being trained, with
+gradient), `lp_old` (the trainer's recompute before the update; a constant), advantages `adv`
+(`[B]`, broadcast over tokens, or `[B, N]`) and the loss `mask`. Each loss returns a `PolicyLoss`
+of per-token arrays; a reduction (`jaxrl.losses.reductions`) turns the loss into `(sum, count)`.
+`r = exp(lp - lp_old)`, `clip(r) = clip(r, 1 - eps_low, 1 + eps_high)`.
+
+| name        | per-token loss                                                              |
+| ----------- | --------------------------------------------------------------------------- |
+| `ppo`       | `max(-A r, -A clip(r))`; with dual clip `c > 1`, where `A < 0`:              |
+|             | `min(max(-A r, -A clip(r)), -A c)`                                           |
+| `gspo`      | as `ppo` with the sequence ratio `s_i = exp(masked_mean_t(lp - lp_old))`     |
+|             | shared by every token of row i (pair it with a sequence-mean reduction)     |
+| `cispo`     | `-A sg(clip(r)) lp`: the clipped ratio only weights the REINFORCE gradient,  |
+|             | so clipped tokens still get a gradient                                      |
+| `reinforce` | `-A lp`                                                                      |
+
+With one update per batch (`lp_old = sg(lp)`), `r = 1` and `ppo`, `gspo` and `reinforce` all
+have the gradient `-A grad lp`. Values at masked positions are sanitised with `where`, so a NaN
+in a masked `lp_old` never reaches a value or a gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+
+
+class PolicyLoss(NamedTuple):
+  loss: jax.Array  # [B, N] per-token loss (0 where masked)
+  ratio: jax.Array  # [B, N] the importance ratio the loss used (1 for reinforce)
+  clipped: jax.Array  # [B, N] float 1 where a clip bound (or the dual clip) was active
+
+
+def _broadcast_adv(adv: jax.Array, like: jax.Array) -> jax.Array:
+  adv = jnp.asarray(adv, jnp.float32)
+  return adv[:, None] if adv.ndim == 1 else adv
+
+
+def _log_ratio(lp, lp_old, mask):
+  return jnp.where(mask, lp - jax.lax.stop_gradient(lp_old), 0.0)
+
+
+def _clipped_objective(ratio, a, mask, eps_low, eps_high, dual_clip):
+  clamped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  unclipped_loss = -a * ratio
+  clipped_loss = -a * clamped
+  loss = jnp.maximum(unclipped_loss, clipped_loss)
+  clipped = clipped_loss > unclipped_loss
+  if dual_clip is not None:
+    # For A < 0 a huge ratio makes -A r unbounded; the dual clip caps the loss at -A c.
+    dual = (a < 0) & (loss > -a * dual_clip)
+    loss = jnp.where(dual, -a * dual_clip, loss)
+    clipped = clipped | dual
+  return PolicyLoss(jnp.where(mask, loss, 0.0), jnp.where(mask, ratio, 1.0),
+                    jnp.where(mask, clipped, False).astype(jnp.float32))
+
+
+def ppo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
+        eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
+        ) -> PolicyLoss:
+  """PPO clip with asymmetric bounds and optional dual clip (see the module table)."""
+  ratio = jnp.exp(_log_ratio(lp, lp_old, mask))
+  return _clipped_objective(ratio, _broadcast_adv(adv, lp), mask, eps_low, eps_high, dual_clip)
+
+
+def gspo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
+         eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
+         ) -> PolicyLoss:
+  """GSPO: `s_i = exp(sum_t m (lp - lp_old) / sum_t m)` replaces the token ratio.
+
+  `d s_i / d lp_t = s_i m_t / n_i`: every token of a row shares one ratio and one clip decision.
+  """
+  log_ratio = _log_ratio(lp, lp_old, mask)
+  n = jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32)
+  seq = jnp.sum(log_ratio, axis=-1, keepdims=True) / jnp.maximum(n, 1.0)
+  ratio = jnp.broadcast_to(jnp.exp(seq), lp.shape)
+  return _clipped_objective(ratio, _broadcast_adv(adv, lp), mask, eps_low, eps_high, dual_clip)
+
+
+def cispo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
+          eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
+          ) -> PolicyLoss:
+  """CISPO: `-A sg(clip(r, 1 - eps_low, 1 + eps_high)) lp` (no dual clip)."""
+  if dual_clip is not None:
+    raise ValueError("cispo does not take a dual clip")
+  a = _broadcast_adv(adv, lp)
+  ratio = jnp.exp(_log_ratio(lp, lp_old, mask))
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  lp_safe = jnp.where(mask, lp, 0.0)
+  clipped = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
+  return PolicyLoss(jnp.where(mask, -a * weight * lp_safe, 0.0), jnp.where(mask, ratio, 1.0),
+                    jnp.where(mask, clipped, False).astype(jnp.float32))
+
+
+def reinforce(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
+              eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
+              ) -> PolicyLoss:
+  """REINFORCE: `-A lp` (lp_old and the clip settings are unused)."""
+  del lp_old, eps_low, eps_high, dual_clip
+  a = _broadcast_adv(adv, lp)
+  loss = jnp.where(mask, -a * jnp.where(mask, lp, 0.0), 0.0)
+  return PolicyLoss(loss, jnp.ones_like(loss), jnp.zeros_like(loss))
+
+
+POLICIES = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "reinforce": reinforce}
+
+
+def policy_loss(name: str, lp, lp_old, adv, mask, **kw) -> PolicyLoss:
+  """The loss named `name` (a key of `POLICIES`)."""
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy loss {name!r}; expected one of {POLICY_LOSSES}")
+  return POLICIES[name](lp, lp_old, adv, mask, **kw)
