@@ -1,0 +1,84 @@
+"""One entry point for the fused log-prob + rollout-KL kernel; implementations share a signature.
+
+    z = (hidden @ unembedding) / t        float32; t = T where T > 0, else 1 (greedy)
+    logp = z[target] - logsumexp(z)       == jaxrl.models.transformer.token_logprobs
+    entropy = logsumexp(z) - sum_v softmax(z)_v z_v
+    rollout_kl = kl_estimate(logp, rollout_logprobs, estimator, mask)   # jaxrl.losses.kl
+
+The KL is elementwise in `logp`, so it sits outside the implementations' `custom_vjp` and its
+gradient reaches `hidden` / `unembedding` through the cotangent of `logp`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.kernels.fused_logprob import common, pallas, reference, xla
+from jaxrl.losses.kl import kl_estimate
+
+IMPLEMENTATIONS = {
+    "reference": reference.fused_logprob,
+    "xla": xla.fused_logprob,
+    "pallas": pallas.fused_logprob,
+}
+
+
+class FusedLogprob(NamedTuple):
+  logp: jax.Array  # [N] float32
+  entropy: jax.Array | None  # [N] float32 when `with_entropy`
+  rollout_kl: jax.Array | None  # [N] float32 when `rollout_logprobs` is given; 0 where masked
+
+
+def default_impl() -> str:
+  """`pallas` where it compiles to a real kernel (TPU, GPU); `xla` on CPU."""
+  return "xla" if jax.default_backend() == "cpu" else "pallas"
+
+
+def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *,
+                  temperature=1.0, rollout_logprobs: jax.Array | None = None,
+                  mask: jax.Array | None = None, estimator: str = "k2",
+                  with_entropy: bool = False, impl: str | None = None,
+                  chunk_size: int | None = None, interpret: bool | None = None) -> FusedLogprob:
+  """Per-token log-prob of `targets` (and entropy, rollout KL) from hidden states, fused.
+
+  Args:
+    hidden: `[N, D]` final hidden states (any float dtype; the matmul runs in it).
+    unembedding: `[D, V]`.
+    targets: `[N]` int token ids; ids outside `[0, V)` (padding) pick logit 0 (finite logp).
+    temperature: scalar or `[N]`; `<= 0` means greedy and scales by 1. No gradient.
+    rollout_logprobs: `[N]` float32 sampler log-probs, or None (then `rollout_kl` is None).
+    mask: `[N]` bool; False tokens keep their `logp` / `entropy` but get `rollout_kl = 0`, and
+      NaN/inf in their `rollout_logprobs` reach neither the KL nor its gradient.
+    estimator: KL estimator name (`k1`, `k2`, `k3`, `abs`; see `jaxrl.losses.kl`).
+    with_entropy: also return the entropy of `softmax(z)`.
+    impl: `reference` (dense), `xla` (vocabulary-chunked), `pallas`; None = `default_impl()`.
+    chunk_size: vocabulary chunk (`xla`) / block (`pallas`) width; None = the impl's default.
+    interpret: Pallas interpret mode; None = True on CPU (the only way Pallas runs there).
+
+  Returns:
+    `FusedLogprob(logp, entropy, rollout_kl)`, each `[N]` float32 or None.
+
+  Differentiable w.r.t. `hidden` and `unembedding`; gradients at masked positions are exactly 0
+  when the caller masks with `where(mask, x, 0)`.
+  """
+  impl = default_impl() if impl is None else impl
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown fused_logprob impl {impl!r}; expected one of "
+                     f"{tuple(IMPLEMENTATIONS)}")
+  if hidden.ndim != 2 or unembedding.ndim != 2 or hidden.shape[1] != unembedding.shape[0]:
+    raise ValueError(f"expected hidden [N, D] and unembedding [D, V]; got {hidden.shape} and "
+                     f"{unembedding.shape} (vmap over leading axes)")
+  n = hidden.shape[0]
+  if targets.shape != (n,):
+    raise ValueError(f"targets must be [N] = [{n}]; got {targets.shape}")
+  t = common.effective_temperature(temperature, n)
+  logp, entropy = IMPLEMENTATIONS[impl](
+      hidden, unembedding, jnp.asarray(targets).astype(jnp.int32), t,
+      with_entropy=with_entropy, chunk_size=chunk_size, interpret=interpret)
+  rollout_kl = None
+  if rollout_logprobs is not None:
+    rollout_kl = kl_estimate(logp, rollout_logprobs, estimator, mask)
+  return FusedLogprob(logp, entropy, rollout_kl)

@@ -1,0 +1,62 @@
+"""Pieces every fused-logprob implementation shares: temperature, the target logit, its gradient.
+
+Notation (all implementations): `h = hidden [N, D]`, `W = unembedding [D, V]`, `t [N]` the
+effective temperature (`T` where `T > 0`, else 1), `z = (h @ W) / t` in float32,
+`lse = logsumexp_v z`, `p = softmax(z)`, `H = lse - sum_v p_v z_v`, `logp = z[target] - lse`.
+
+The target logit `z[target] = (h . W[:, target]) / t` is one dot product per token, so every
+implementation takes it from a gathered column instead of searching the vocabulary for it; only
+`lse` (and `H`) need the full vocabulary. A target outside `[0, V)` (padding) picks 0, so a
+padded row has finite values and no NaN can leak into a masked gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def effective_temperature(temperature, n: int) -> jax.Array:
+  """float32 `[n]` divisor: `T` where `T > 0`, else 1 (greedy decoding scores at `T = 1`).
+
+  Matches `jaxrl.models.transformer.scale_logits`. No gradient flows to the temperature.
+  """
+  t = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
+  t = jnp.where(t > 0, t, 1.0)
+  return jnp.broadcast_to(t, (n,))
+
+
+def compute_dtype(h: jax.Array, w: jax.Array):
+  """Dtype the matmuls run in (the promoted input dtype); accumulation is always float32."""
+  return jnp.result_type(h.dtype, w.dtype)
+
+
+def _target_columns(w: jax.Array, targets: jax.Array):
+  """`W[:, target]` as `[N, D]` (column clipped into range) and the in-range mask `[N]`."""
+  v = w.shape[1]
+  in_range = (targets >= 0) & (targets < v)
+  cols = jnp.take(w, jnp.clip(targets, 0, v - 1), axis=1).T
+  return cols, in_range
+
+
+def target_logit(h: jax.Array, w: jax.Array, targets: jax.Array, t: jax.Array) -> jax.Array:
+  """`z[target] = (h . W[:, target]) / t`, float32 `[N]`; 0 for targets outside `[0, V)`."""
+  cols, in_range = _target_columns(w, targets)
+  dt = compute_dtype(h, w)
+  picked = jnp.einsum("nd,nd->n", h.astype(dt), cols.astype(dt),
+                      preferred_element_type=jnp.float32)
+  return jnp.where(in_range, picked / t, 0.0)
+
+
+def add_target_grads(h, w, targets, t, g_lp, dh, dw):
+  """Adds the one-hot part of `d logp / d z = onehot(target) - p` to float32 `dh`, `dw`.
+
+  With `c = g_lp / t` (zeroed for out-of-range targets):
+  `dh += c * W[:, target]` and `dW[:, target] += c * h` (a scatter-add: repeated targets sum).
+  """
+  cols, in_range = _target_columns(w, targets)
+  c = jnp.where(in_range, g_lp / t, 0.0)
+  dh = dh + c[:, None] * cols.astype(jnp.float32)
+  idx = jnp.clip(targets, 0, w.shape[1] - 1)
+  dw = dw.at[:, idx].add((c[:, None] * h.astype(jnp.float32)).T)
+  return dh, dw
