@@ -27,7 +27,8 @@ import numpy as np
 from jaxrl.configs.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
-from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, to_rows
+from jaxrl.train_step import build_train_step, make_optimizer, to_rows
+from jaxrl.trainer import rl_step_config
 from jaxrl.types import TrainBatch
 
 DEFAULT_VOCAB = 14  # the `add` task's CharTokenizer: 12 characters + pad + EOS
@@ -80,8 +81,7 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int) -> dict:
   extra = {"warmup_steps": t.warmup_steps} if "warmup_steps" in t else {}  # as the trainer
   optimizer = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, **extra)
-  step_cfg = StepConfig(loss="grpo", clip_eps=cfg.loss.clip_eps, adv_eps=cfg.loss.adv_eps,
-                        num_microbatches=1)
+  step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=1)
   step, init_state = build_train_step(graphdef, optimizer, step_cfg, mesh, params)
   state = init_state(params)
   batch = to_rows(random_batch(case, model_cfg.vocab_size), mesh)

@@ -1,8 +1,8 @@
 """Validation of run configs against the schema in `jaxrl.configs.default`.
 
 `validate` runs before anything is compiled and reports every problem at once: schema (unknown
-and missing keys), types, value ranges, the device mesh, and cross-key divisibility. It never
-imports jax; the caller passes the device count.
+and missing keys), types, value ranges, the device mesh, cross-key divisibility and
+incompatible loss combinations. It never imports jax; the caller passes the device count.
 
 `parse_overrides` applies `--config.a.b=value` command-line overrides. It exists because
 `ml_collections.config_flags` reports an unknown override key as a bare traceback naming only
@@ -20,6 +20,18 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxrl.configs import default as default_config
+
+# Names of the loss library's registries. Spelled out because `jaxrl.losses` imports jax and this
+# module must not (tests/test_config.py checks both that and that these match the library).
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+              "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_REDUCTIONS = ("token_mean", "seq_mean")
+CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
+               "outlier_mask", "dppo_tv")
+WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
 
 DTYPES = ("float32", "bfloat16", "float16")
 _MESH_AXES = ("data", "fsdp", "tensor")
@@ -100,8 +112,30 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("train.weight_decay", _ge(0)),
     ("train.grad_clip", _gt(0)),
     ("train.num_microbatches", _ge(1)),
-    ("loss.clip_eps", _gt(0)),
-    ("loss.adv_eps", _ge(0)),
+    ("advantage.estimator", _one_of(set(ADVANTAGE_ESTIMATORS))),
+    ("advantage.eps", _ge(0)),
+    ("advantage.clip", _ge(0)),
+    ("loss.policy", _one_of(set(POLICY_LOSSES))),
+    ("loss.eps_low", _in(0, 1)),
+    ("loss.eps_high", _ge(0)),
+    ("loss.dual_clip", (lambda v: v == 0 or v > 1, "0 (off) or > 1")),
+    ("loss.reduction", _one_of(set(REDUCTIONS))),
+    ("loss.norm_len", _ge(0)),
+    ("loss.token_tis_cap", _gt(0)),
+    ("loss.seq_tis_cap", _gt(0)),
+    *((f"loss.{k}", _ge(0)) for k in
+      ("icepop_low", "icepop_high", "seq_mask_low", "seq_mask_high", "geo_mask_low",
+       "geo_mask_high", "product_mask_low", "product_mask_high", "outlier_low", "outlier_high",
+       "dppo_delta_low", "dppo_delta_high")),
+    ("loss.seq_logprob_error_threshold",
+     (lambda v: v == 0 or v >= 1, "0 (off) or >= 1 (it bounds a mean of exp(|error|) >= 1)")),
+    ("loss.logprob_impl", _one_of({"auto", "reference", "xla", "pallas"})),
+    ("rollout_kl.coef", _ge(0)),
+    ("rollout_kl.estimator", _one_of(set(KL_ESTIMATORS))),
+    ("rollout_kl.reduction", _one_of(set(KL_REDUCTIONS))),
+    ("ref_kl.coef", _ge(0)),
+    ("ref_kl.estimator", _one_of(set(KL_ESTIMATORS))),
+    ("ref_kl.reduction", _one_of(set(KL_REDUCTIONS))),
     ("eval.every", _ge(1)),
     ("eval.batch_size", _ge(1)),
     *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in _MESH_AXES),
@@ -201,6 +235,56 @@ def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -
   return mesh
 
 
+_BANDS = ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
+
+
+def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
+  """Names inside `loss.correction` and combinations of loss keys that cannot work together."""
+  p = _PREFIX
+  names: tuple[str, ...] = ()
+  if "loss.correction" in good:
+    text = good["loss.correction"]
+    names = () if text in ("", "none") else tuple(x.strip() for x in text.split("+"))
+    bad = [n for n in names if n not in CORRECTIONS]
+    if bad:
+      problems.append(f"{p}loss.correction: unknown correction(s) {bad} in {text!r}; expected "
+                      f"'none' or names from {list(CORRECTIONS)} joined by '+'")
+      names = ()
+    elif len(set(names)) != len(names):
+      problems.append(f"{p}loss.correction: a correction is listed twice in {text!r}")
+    weighting = [n for n in names if n in WEIGHTING]
+    if len(weighting) > 1:
+      problems.append(f"{p}loss.correction: at most one importance weighting of {list(WEIGHTING)}"
+                      f" (two would double count), got {weighting}")
+  for band in _BANDS:
+    lo, hi = f"loss.{band}_low", f"loss.{band}_high"
+    if band != "dppo_delta" and lo in good and hi in good and good[lo] >= good[hi]:
+      problems.append(f"{p}{lo}: must be < {p}{hi}, got {good[lo]} and {good[hi]}")
+
+  def on(key, off=0):
+    return key in good and good[key] != off
+
+  policy = good.get("loss.policy")
+  if policy == "cispo" and on("loss.dual_clip"):
+    problems.append(f"{p}loss.dual_clip: cispo does not take a dual clip (it clips a detached "
+                    f"weight); set it to 0 or choose another {p}loss.policy")
+  if policy == "gspo":
+    if "seq_mask_tis" in names:
+      problems.append(f"{p}loss.correction: seq_mask_tis cannot be combined with the sequence-"
+                      f"level ratio of {p}loss.policy='gspo'")
+    if good.get("loss.reduction", "seq_mean_token_mean") != "seq_mean_token_mean":
+      problems.append(f"{p}loss.reduction: {p}loss.policy='gspo' needs 'seq_mean_token_mean' "
+                      f"(one ratio per sequence), got {good['loss.reduction']!r}")
+  if good.get("rollout.logprobs") is False:
+    needs = [k for k, used in (("loss.correction", bool(names)),
+                               ("rollout_kl.coef", on("rollout_kl.coef")),
+                               ("loss.seq_logprob_error_threshold",
+                                on("loss.seq_logprob_error_threshold"))) if used]
+    for k in needs:
+      problems.append(f"{p}{k}: needs the sampler's log-probs, but {p}rollout.logprobs is "
+                      "false")
+
+
 def validate(cfg: ConfigDict, num_devices: int,
              task_names: Collection[str] | None = None,
              problems: Collection[str] = ()) -> MeshShape:
@@ -270,6 +354,8 @@ def validate(cfg: ConfigDict, num_devices: int,
       problems.append(
           f"{_PREFIX}{key}: must be divisible by {batch_shards} = {mesh.data * mesh.fsdp} "
           f"(the batch axis is sharded over both), got {good[key]}")
+
+  _check_loss(good, problems)
 
   if problems:
     raise ConfigError(problems)

@@ -1,10 +1,20 @@
 """The pure training step: `step(state, batch) -> (state, metrics)`, one jitted function.
 
-- The loss is a `(sum, count)` function from `jaxrl.losses.LOSSES`; gradients of the per-micro-
-  batch sums are accumulated through `lax.scan` over a fixed number of micro-batches and divided
-  once by the global token count, so M micro-batches give the single-batch gradient exactly.
+- The loss is `jaxrl.losses.objective` composed from `StepConfig.objective` (policy loss,
+  corrections, reduction, rollout-KL, reference-KL and entropy terms), or the token-mean NLL for
+  the supervised warm-up. Every term's denominator is its count over the *whole* batch, computed
+  before the batch is split; each micro-batch's loss is divided by those global counts and the
+  gradients are summed through `lax.scan`, so M micro-batches give the single-batch gradient
+  exactly and an all-masked (padding) micro-batch adds exactly 0.
+- Trainer log-probs and entropy come from the fused kernel (`jaxrl.kernels.fused_logprob`,
+  `xla` on CPU, `pallas` on TPU/GPU): the `[B, N, V]` logits are never materialised.
 - Advantages are computed over the whole batch before it is split, so a group may straddle
-  micro-batches.
+  micro-batches; rows with no loss token count as failed samples (advantage 0, excluded from
+  their group's statistics).
+- The reference model (for the reference-KL term) lives in `TrainState.ref_params` and exists
+  only when `objective.ref_kl_coef != 0`.
+- A batch missing a field the objective needs (`rollout_logprobs` for corrections, rollout KL
+  or sequence masking) is rejected on the host by `check_batch`, before the jitted call.
 - A non-finite gradient skips the update (params and optimizer state unchanged, `step` not
   advanced) and sets `skipped_nonfinite`; nothing raises inside jit.
 - Shardings are explicit: params and optimizer state by the logical-axis rules, batch rows over
@@ -23,8 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl import parallel
-from jaxrl.losses import LOSSES, group_advantages
-from jaxrl.models.transformer import scale_logits, token_logprobs
+from jaxrl import losses
+from jaxrl.kernels import fused_logprob
+from jaxrl.losses import ObjectiveConfig
 from jaxrl.rollout.sampler import left_positions
 from jaxrl.types import TrainBatch, TrainState
 
@@ -33,10 +44,22 @@ from jaxrl.types import TrainBatch, TrainState
 class StepConfig:
   """Static settings of a train step (hashable; changing one recompiles, by design)."""
 
-  loss: str = "grpo"  # key of jaxrl.losses.LOSSES
-  clip_eps: float = 0.2
+  loss: str = "rl"  # "rl": the composed objective below; "sft": token-mean NLL (warm-up)
+  objective: ObjectiveConfig = ObjectiveConfig()
+  advantage: str = "grpo"  # jaxrl.losses.ADVANTAGE_ESTIMATORS
   adv_eps: float = 1e-4
+  adv_clip: float | None = None  # clamp advantages to [-adv_clip, adv_clip]
   num_microbatches: int = 1
+  logprob_impl: str | None = None  # jaxrl.kernels.fused_logprob impl; None = backend default
+  logprob_chunk: int | None = None  # vocabulary chunk of the fused kernel; None = its default
+
+  def needs_rollout_logprobs(self) -> bool:
+    o = self.objective
+    return self.loss == "rl" and (bool(o.correction) or o.rollout_kl_coef != 0
+                                  or o.seq_logprob_error_threshold is not None)
+
+  def needs_reference(self) -> bool:
+    return self.loss == "rl" and self.objective.ref_kl_coef != 0
 
 
 def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
@@ -54,33 +77,55 @@ def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
                      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
-def completion_logits(graphdef: nnx.GraphDef, params, batch: TrainBatch) -> jax.Array:
-  """float32 logits [B, N, V] that predict each completion token (trainer-side recompute)."""
-  model = nnx.merge(graphdef, params)
+def completion_hidden(model, batch: TrainBatch) -> jax.Array:
+  """Final hidden states [B, N, D] that predict each completion token."""
   lp = batch.prompt_tokens.shape[1]
   seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
   valid = jnp.concatenate([batch.prompt_valid, batch.mask], axis=1)
   hidden, _ = model(seq, left_positions(valid), valid)
   # Position lp - 1 + j holds the state that predicts completion token j.
-  return model.logits(hidden[:, lp - 1 : -1])
+  return hidden[:, lp - 1 : -1]
 
 
-def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, cfg: StepConfig):
-  logits = completion_logits(graphdef, params, batch)
-  logp = token_logprobs(logits, batch.tokens, batch.temperature[:, None])
-  loss_sum, count, extra = LOSSES[cfg.loss](logp, jax.lax.stop_gradient(logp), advantages,
-                                            batch.mask, cfg.clip_eps)
-  m = batch.mask
-  logz = jax.nn.log_softmax(scale_logits(logits, batch.temperature[:, None]))
-  entropy = -jnp.sum(jnp.exp(logz) * logz, axis=-1)
-  diff = jnp.abs(jax.lax.stop_gradient(logp) - batch.rollout_logprobs)
-  sums = {
-      "entropy": jnp.sum(jnp.where(m, entropy, 0.0)),
-      "mismatch/abs_diff/mean": jnp.sum(jnp.where(m, diff, 0.0)),
-      **extra,
-  }
-  maxes = {"mismatch/abs_diff/max": jnp.max(jnp.where(m, diff, 0.0))}
-  return loss_sum, (count, sums, maxes)
+def completion_logits(graphdef: nnx.GraphDef, params, batch: TrainBatch) -> jax.Array:
+  """float32 logits [B, N, V] of each completion token (dense; for tests and debugging)."""
+  model = nnx.merge(graphdef, params)
+  return model.logits(completion_hidden(model, batch))
+
+
+def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
+                        with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None]:
+  """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits)."""
+  model = nnx.merge(graphdef, params)
+  hidden = completion_hidden(model, batch)
+  b, n, d = hidden.shape
+  out = fused_logprob(
+      hidden.reshape(b * n, d), model.unembedding().astype(hidden.dtype),
+      batch.tokens.reshape(b * n), temperature=jnp.repeat(batch.temperature, n),
+      with_entropy=with_entropy, impl=cfg.logprob_impl, chunk_size=cfg.logprob_chunk)
+  entropy = None if out.entropy is None else out.entropy.reshape(b, n)
+  return out.logp.reshape(b, n), entropy
+
+
+def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, ref_params,
+                      cfg: StepConfig):
+  o = cfg.objective
+  if cfg.loss == "sft":
+    logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False)
+    loss_sum, _ = losses.nll(logp, batch.mask)
+    loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
+    return loss, losses.stats.Stats({"nll": (loss_sum, losses.count("token_mean", batch.mask))},
+                                    {"loss": loss}, {}, {})
+  logp, entropy = completion_logprobs(graphdef, params, batch, cfg)
+  if o.entropy_coef == 0:
+    entropy = jax.lax.stop_gradient(entropy)
+  lp_ref = None
+  if ref_params is not None:
+    lp_ref, _ = completion_logprobs(graphdef, ref_params, batch, cfg, with_entropy=False)
+    lp_ref = jax.lax.stop_gradient(lp_ref)
+  # One update per batch: the "old" policy is the current one, so r = 1 with its gradient.
+  return losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask, counts,
+                          lp_gen=batch.rollout_logprobs, lp_ref=lp_ref, entropy=entropy)
 
 
 def _split(x: jax.Array, m: int) -> jax.Array:
@@ -89,52 +134,75 @@ def _split(x: jax.Array, m: int) -> jax.Array:
   return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
+def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
+  """Denominators of the whole batch, computed once before micro-batching."""
+  if cfg.loss == "sft":
+    return {"token_mean": losses.count("token_mean", batch.mask)}
+  return losses.global_counts(cfg.objective, batch.mask)
+
+
 def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
                row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
   """Pure step; see the module docstring. `row_sharding` constrains each micro-batch's rows."""
   m = cfg.num_microbatches
-  advantages = group_advantages(batch.rewards, batch.group_id, cfg.adv_eps)
+  clip = cfg.adv_clip
+  valid = jnp.any(batch.mask, axis=-1)
+  advantages = losses.compute_advantages(
+      cfg.advantage, batch.rewards, batch.group_id, valid, eps=cfg.adv_eps,
+      clip_low=None if clip is None else -clip, clip_high=clip)
+  counts = global_counts(batch, cfg)
   micro = jax.tree.map(lambda x: _split(x, m), (batch, advantages))
+  ref_params = state.ref_params if cfg.needs_reference() else None
   grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
 
   def body(acc, mb):
     mb_batch, mb_adv = mb
     if row_sharding is not None:
       mb_batch, mb_adv = jax.lax.with_sharding_constraint((mb_batch, mb_adv), row_sharding)
-    (loss_sum, (count, sums, maxes)), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, cfg)
-    g_acc, l_acc, c_acc, s_acc, x_acc = acc
-    return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss_sum, c_acc + count,
-            jax.tree.map(jnp.add, s_acc, sums), jax.tree.map(jnp.maximum, x_acc, maxes)), None
+    (_, stats), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, counts, ref_params, cfg)
+    g_acc, s_acc = acc
+    return (jax.tree.map(jnp.add, g_acc, grads), losses.stats.merge(s_acc, stats)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
-  _, (_, sums0, maxes0) = jax.eval_shape(
+  _, stats0 = jax.eval_shape(
       lambda: _loss_and_metrics(state.params, graphdef, jax.tree.map(lambda x: x[0], micro[0]),
-                                micro[1][0], cfg))
-  init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-          jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0),
-          jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), maxes0))
-  (grads, loss_sum, count, sums, maxes), _ = jax.lax.scan(body, init, micro)
+                                micro[1][0], counts, ref_params, cfg))
+  # Identity elements: maxes start at -inf and mins at +inf, so empty micro-batches are neutral.
+  fill = losses.stats.Stats(
+      *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
+        for part, v in zip(stats0, (0.0, 0.0, -jnp.inf, jnp.inf))))
+  init = (jax.tree.map(jnp.zeros_like, state.params), fill)
+  (grads, stats), _ = jax.lax.scan(body, init, micro)
 
-  denom = jnp.maximum(count, 1.0)
-  grads = jax.tree.map(lambda g: g / denom, grads)
+  # Each micro-batch already divided by the global counts: the sum is the batch gradient.
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(grad_norm)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
-                         state.step + finite.astype(jnp.int32))
-
+  new_state = state._replace(params=keep(new_params, state.params),
+                             opt_state=keep(new_opt, state.opt_state),
+                             step=state.step + finite.astype(jnp.int32))
+  live = valid.astype(jnp.float32)
   metrics = {
-      "loss": loss_sum / denom,
+      **losses.stats.finalize(stats),
       "grad_norm": grad_norm,
-      "tokens": count,
+      "tokens": jnp.sum(batch.mask).astype(jnp.float32),
       "skipped_nonfinite": (~finite).astype(jnp.int32),
-      "advantage/abs_mean": jnp.mean(jnp.abs(advantages)),
-      **{k: v / denom for k, v in sums.items()},
-      **maxes,
+      "advantage/abs_mean": jnp.sum(jnp.abs(advantages) * live) / jnp.maximum(jnp.sum(live), 1),
   }
   return new_state, metrics
+
+
+def check_batch(batch: TrainBatch, cfg: StepConfig) -> None:
+  """Host-side checks before the jitted step: a missing field fails here, with its name."""
+  if cfg.needs_rollout_logprobs() and batch.rollout_logprobs is None:
+    o = cfg.objective
+    why = [k for k, on in (("loss.correction", bool(o.correction)),
+                           ("rollout_kl.coef", o.rollout_kl_coef != 0),
+                           ("loss.seq_logprob_error_threshold",
+                            o.seq_logprob_error_threshold is not None)) if on]
+    raise ValueError(f"TrainBatch.rollout_logprobs is None, but {', '.join(why)} needs the "
+                     "sampler's log-probs")
 
 
 def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params
@@ -148,17 +216,36 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params
   rep = parallel.replicated(mesh)
   opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
                                  p_sh, transform_non_params=lambda _: rep)
-  state_sh = TrainState(p_sh, opt_sh, rep)
   row = parallel.batch_sharding(mesh)
 
-  init_state = jax.jit(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)),
-                       in_shardings=(p_sh,), out_shardings=state_sh)
-  step = jax.jit(
+  ref_sh = p_sh if cfg.needs_reference() else None
+  state_sh = TrainState(p_sh, opt_sh, rep, ref_sh)
+
+  def make_state(p, ref):
+    return TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32), ref)
+
+  init_jit = jax.jit(make_state, in_shardings=(p_sh, ref_sh), out_shardings=state_sh)
+
+  def init_state(p, ref_params=None):
+    if cfg.needs_reference():
+      # The frozen reference defaults to the starting policy (a copy: params get donated).
+      ref_params = jax.tree.map(jnp.copy, p) if ref_params is None else ref_params
+    else:
+      ref_params = None
+    return init_jit(p, ref_params)
+
+  step_jit = jax.jit(
       lambda s, b: train_step(s, b, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
                               row_sharding=row),
       in_shardings=(state_sh, row), out_shardings=(state_sh, rep),
       donate_argnums=(0,),
   )
+
+  def step(state, batch):
+    check_batch(batch, cfg)
+    return step_jit(state, batch)
+
+  step.jitted = step_jit  # for compile counting and lowering
   return step, init_state
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
+from jaxrl import losses
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.data import left_pad
@@ -97,14 +98,38 @@ class Parts:
     return correct / len(problems)
 
 
+def rl_step_config(cfg) -> StepConfig:
+  """The RL train step's static settings from a validated run config."""
+  lo = cfg.loss
+  bands = {f"{b}_{side}": lo[f"{b}_{side}"] for b in
+           ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
+           for side in ("low", "high")}
+  objective = losses.ObjectiveConfig(
+      policy=lo.policy, eps_low=lo.eps_low, eps_high=lo.eps_high,
+      dual_clip=lo.dual_clip or None, correction=losses.parse_correction(lo.correction),
+      correction_params=losses.CorrectionParams(
+          token_tis_cap=lo.token_tis_cap, seq_tis_cap=lo.seq_tis_cap, **bands),
+      reduction=lo.reduction, norm_len=lo.norm_len or None,
+      rollout_kl_coef=cfg.rollout_kl.coef, rollout_kl_estimator=cfg.rollout_kl.estimator,
+      rollout_kl_reduction=cfg.rollout_kl.reduction,
+      ref_kl_coef=cfg.ref_kl.coef, ref_kl_estimator=cfg.ref_kl.estimator,
+      ref_kl_reduction=cfg.ref_kl.reduction, entropy_coef=lo.entropy_coef,
+      seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
+  a = cfg.advantage
+  return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
+                    adv_clip=a.clip or None, num_microbatches=cfg.train.num_microbatches,
+                    logprob_impl=None if lo.logprob_impl == "auto" else lo.logprob_impl)
+
+
 def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
   cfg = parts.cfg.sft
   if not cfg.enabled or cfg.max_steps == 0:
     return {"sft/steps": 0}
   opt = make_optimizer(cfg.learning_rate, b1=parts.cfg.train.b1, b2=parts.cfg.train.b2,
                        grad_clip=parts.cfg.train.grad_clip)
-  step_fn, init_state = build_train_step(parts.graphdef, opt, StepConfig(loss="sft"), parts.mesh,
-                                         parts.params)
+  impl = parts.cfg.loss.logprob_impl
+  step_cfg = StepConfig(loss="sft", logprob_impl=None if impl == "auto" else impl)
+  step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   rng = np.random.default_rng([parts.cfg.seed, 1])
   dev = parts.task.split("dev")
@@ -137,8 +162,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   P, G = r.num_prompts, r.group_size
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
-  step_cfg = StepConfig(loss="grpo", clip_eps=cfg.loss.clip_eps, adv_eps=cfg.loss.adv_eps,
-                        num_microbatches=t.num_microbatches)
+  step_cfg = rl_step_config(cfg)
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   val = parts.task.split("val")
@@ -162,8 +186,8 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     expanded = [p for p in problems for _ in range(G)]
     rewards = parts.task.rewards(expanded, tokens, mask)
     t_sample = st()
-    batch = TrainBatch(np.repeat(prompts, G, 0), np.repeat(valid, G, 0), tokens, mask, logprobs,
-                       rewards, group_id, temperature)
+    batch = TrainBatch(np.repeat(prompts, G, 0), np.repeat(valid, G, 0), tokens, mask,
+                       logprobs if r.logprobs else None, rewards, group_id, temperature)
     state, m = step_fn(state, to_rows(batch, parts.mesh))
     m = jax.device_get(m)
     dt = st()

@@ -18,7 +18,9 @@ class TrainBatch(NamedTuple):
   prompt_valid: jax.Array  # [B, Lp] bool
   tokens: jax.Array  # [B, N] int32 completion, pad after EOS
   mask: jax.Array  # [B, N] bool loss mask (generated tokens up to and including EOS)
-  rollout_logprobs: jax.Array  # [B, N] float32 sampler log-probs (0 where unknown / masked)
+  # [B, N] float32 sampler log-probs (anything where masked), or None when the sampler did not
+  # return them (then corrections, rollout KL and mismatch metrics are unavailable).
+  rollout_logprobs: jax.Array | None
   rewards: jax.Array  # [B] float32
   group_id: jax.Array  # [B] int32
   temperature: jax.Array  # [B] float32 sampling temperature (logprobs use logits / T)
@@ -28,3 +30,4 @@ class TrainState(NamedTuple):
   params: object  # nnx.State of the model
   opt_state: object
   step: jax.Array  # int32 count of applied updates (the published policy version)
+  ref_params: object = None  # frozen reference policy; only when a reference-KL term is on

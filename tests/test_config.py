@@ -118,7 +118,7 @@ def test_int_is_accepted_where_float_is_expected():
     ("rollout.group_size", 1, "must be >= 2"),
     ("rollout.top_p", 0.0, "must be in (0, 1], got 0.0"),
     ("train.b2", 1.0, "must be in [0, 1), got 1.0"),
-    ("loss.clip_eps", float("nan"), "must be finite, got nan"),
+    ("loss.eps_high", float("nan"), "must be finite, got nan"),
     ("mesh.fsdp", 0, "must be >= 1 or -1, got 0"),
 ])
 def test_out_of_range(key, value, expected):
@@ -270,3 +270,53 @@ def test_parse_overrides_reports_every_bad_key():
   assert len(problems) == len(expected)
   for p, (key, text) in zip(problems, expected.items()):
     assert p.startswith(f"config.{key}:") and text in p, p
+
+
+def test_loss_names_match_the_library():
+  # config.py spells the registries out (it must not import jax); they must not drift apart.
+  from jaxrl import config as c
+  from jaxrl import losses as L
+  assert c.ADVANTAGE_ESTIMATORS == L.ADVANTAGE_ESTIMATORS
+  assert c.POLICY_LOSSES == L.POLICY_LOSSES == tuple(L.policy.POLICIES)
+  assert c.REDUCTIONS == L.REDUCTIONS
+  assert c.KL_ESTIMATORS == L.KL_ESTIMATORS
+  assert c.KL_REDUCTIONS == tuple(L.KL_REDUCTIONS)
+  assert c.CORRECTIONS == L.CORRECTIONS and c.WEIGHTING == L.WEIGHTING
+
+
+@pytest.mark.parametrize("overrides,key,expected", [
+    ({"loss.correction": "token_tis+bogus"}, "loss.correction", "unknown correction(s) ['bogus']"),
+    ({"loss.correction": "token_tis+seq_tis"}, "loss.correction", "at most one importance"),
+    ({"loss.correction": "geo_mask+geo_mask"}, "loss.correction", "listed twice"),
+    ({"loss.policy": "cispo", "loss.dual_clip": 3.0}, "loss.dual_clip",
+     "cispo does not take a dual clip"),
+    ({"loss.policy": "gspo", "loss.reduction": "seq_mean_token_mean",
+      "loss.correction": "seq_mask_tis"}, "loss.correction", "seq_mask_tis cannot be combined"),
+    ({"loss.policy": "gspo"}, "loss.reduction", "needs 'seq_mean_token_mean'"),
+    ({"rollout.logprobs": False, "rollout_kl.coef": 0.1}, "rollout_kl.coef",
+     "config.rollout.logprobs is false"),
+    ({"rollout.logprobs": False, "loss.correction": "icepop"}, "loss.correction",
+     "needs the sampler's log-probs"),
+    ({"loss.geo_mask_low": 1.2}, "loss.geo_mask_low", "must be < config.loss.geo_mask_high"),
+    ({"loss.dual_clip": 0.5}, "loss.dual_clip", "0 (off) or > 1"),
+    ({"rollout_kl.estimator": "k4"}, "rollout_kl.estimator", "must be one of"),
+    ({"loss.policy": "dpo"}, "loss.policy", "must be one of"),
+    ({"advantage.estimator": "gae"}, "advantage.estimator", "must be one of"),
+])
+def test_incompatible_loss_settings_name_the_key(overrides, key, expected):
+  cfg = get_config()
+  for k, v in overrides.items():
+    section, leaf = k.split(".")
+    cfg[section][leaf] = v
+  assert expected in _one(cfg, key)
+
+
+def test_every_loss_option_combination_that_is_legal_validates():
+  cfg = get_config()
+  cfg.loss.policy = "gspo"
+  cfg.loss.reduction = "seq_mean_token_mean"
+  cfg.loss.correction = "outlier_mask+token_tis+dppo_tv"
+  cfg.rollout_kl.coef = 0.1
+  cfg.ref_kl.coef = 0.01
+  cfg.loss.seq_logprob_error_threshold = 1.5
+  validate(cfg, 1)

@@ -1,11 +1,14 @@
 """Train step: sharded == single device, micro-batched == whole batch, non-finite skip."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from conftest import tiny_model_config
-from jaxrl import parallel
+from jaxrl import losses, parallel
 from jaxrl.models import init_model
 from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, shard_params
 from jaxrl.types import TrainBatch
@@ -29,15 +32,15 @@ def _batch(seed=0, vocab=32) -> TrainBatch:
                     np.full(B, 0.9, np.float32))
 
 
-def _run(mesh_shape, num_microbatches=1, loss="grpo", batch=None, steps=2):
+def _run(mesh_shape, num_microbatches=1, loss="rl", batch=None, steps=2, step_cfg=None):
   cfg = tiny_model_config()
   mesh = parallel.make_mesh(*mesh_shape)
   graphdef, params = init_model(cfg, seed=0)
   params = shard_params(params, mesh)
   opt = make_optimizer(1e-3, b2=0.98)
-  step, init = build_train_step(graphdef, opt, StepConfig(loss=loss,
-                                                         num_microbatches=num_microbatches),
-                                mesh, params)
+  step_cfg = step_cfg or StepConfig(loss=loss)
+  step_cfg = dataclasses.replace(step_cfg, num_microbatches=num_microbatches)
+  step, init = build_train_step(graphdef, opt, step_cfg, mesh, params)
   state = init(params)
   batch = _batch() if batch is None else batch
   losses = []
@@ -109,3 +112,69 @@ def test_learning_rate_warmup_starts_from_zero():
   upd, state = opt.update(grads, state, params)
   # Adam's second step with a constant gradient: m/sqrt(v) = sign(g) (bias-corrected), x lr 1e-3.
   np.testing.assert_allclose(np.asarray(upd["w"]), [-1e-3, 1e-3, -1e-3], rtol=1e-4)
+
+
+# Every term on: corrections, sequence masking, rollout KL, reference KL, entropy bonus.
+_FULL = StepConfig(objective=losses.ObjectiveConfig(
+    policy="ppo", eps_low=0.2, eps_high=0.28, dual_clip=3.0,
+    correction=("outlier_mask", "token_tis"), reduction="seq_mean_token_mean",
+    rollout_kl_coef=0.1, rollout_kl_reduction="seq_mean", ref_kl_coef=0.05, entropy_coef=0.01,
+    seq_logprob_error_threshold=5.0), advantage="rloo", adv_clip=3.0)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_sum_norm"])
+def test_full_objective_microbatched_matches_single_batch(reduction):
+  cfg = dataclasses.replace(_FULL, objective=dataclasses.replace(_FULL.objective,
+                                                                 reduction=reduction))
+  ref_state, ref_m, ref_losses = _run((1, 1, 1), 1, step_cfg=cfg, steps=3)
+  state, m, losses_ = _run((1, 1, 1), 4, step_cfg=cfg, steps=3)
+  np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-7)
+  assert _max_param_diff(state.params, ref_state.params) <= 1e-6
+  for key in ("rollout_kl", "ref_kl", "entropy", "mismatch/token_mult_prob_error",
+              "mismatch/seq_mult_prob_error/max", "mismatch/is_ratio/min"):
+    np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=1e-5, err_msg=key)
+  # After two updates the policy has moved from the reference: the KL term is live.
+  assert float(m["ref_kl"]) > 0 and float(m["rollout_kl"]) > 0
+
+
+def test_padding_rows_add_exactly_nothing():
+  # 16 real rows plus 16 padding rows built from the real batch's pytree (same fields, dtypes
+  # and trailing shapes), loss mask all False and NaN sampler log-probs: with 4 micro-batches the
+  # loss, metrics and update equal the real batch's alone.
+  real = _batch()
+  pad = jax.tree.map(lambda x: np.zeros_like(x), real)
+  pad = pad._replace(rollout_logprobs=np.full_like(real.rollout_logprobs, np.nan),
+                     group_id=np.arange(100, 116, dtype=np.int32),
+                     temperature=np.ones_like(real.temperature))
+  padded = jax.tree.map(lambda a, b: np.concatenate([a, b]), real, pad)
+  ref_state, ref_m, ref_losses = _run((1, 1, 1), 1, batch=real, step_cfg=_FULL)
+  state, m, losses_ = _run((1, 1, 1), 4, batch=padded, step_cfg=_FULL)
+  np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-7)
+  assert _max_param_diff(state.params, ref_state.params) <= 1e-6
+  for key in ("rollout_kl", "entropy", "mismatch/abs_diff/max", "advantage/abs_mean", "tokens"):
+    np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=1e-5, err_msg=key)
+
+
+def test_missing_rollout_logprobs_fails_on_the_host_naming_the_field():
+  mesh = parallel.make_mesh(1, 1, 1)
+  graphdef, params = init_model(tiny_model_config(), seed=0)
+  step, init = build_train_step(graphdef, make_optimizer(1e-3), _FULL, mesh, params)
+  batch = _batch()._replace(rollout_logprobs=None)
+  with pytest.raises(ValueError, match="rollout_logprobs is None.*rollout_kl.coef"):
+    step(init(params), batch)
+  assert step.jitted._cache_size() == 0  # nothing was traced or compiled
+  # Without a term that needs them, the same batch trains (no mismatch metrics then).
+  plain = StepConfig()
+  step, init = build_train_step(graphdef, make_optimizer(1e-3), plain, mesh, params)
+  _, m = step(init(params), batch)
+  assert "loss" in m and not any(k.startswith("mismatch/") for k in m)
+
+
+def test_reference_params_only_exist_with_a_reference_kl_term():
+  mesh = parallel.make_mesh(1, 1, 1)
+  graphdef, params = init_model(tiny_model_config(), seed=0)
+  _, init = build_train_step(graphdef, make_optimizer(1e-3), StepConfig(), mesh, params)
+  assert init(params).ref_params is None
+  _, init = build_train_step(graphdef, make_optimizer(1e-3), _FULL, mesh, params)
+  ref = init(params).ref_params
+  assert _max_param_diff(ref, params) == 0.0

@@ -60,6 +60,7 @@ def get_config() -> ConfigDict:
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0  # 0: off
   c.rollout.top_p = 1.0  # 1.0: off
+  c.rollout.logprobs = True  # keep the sampler's log-probs (corrections, rollout KL, mismatch)
 
   c.train = ConfigDict()
   c.train.steps = 500  # RL steps
@@ -71,9 +72,51 @@ def get_config() -> ConfigDict:
   c.train.grad_clip = 1.0  # global-norm clip
   c.train.num_microbatches = 1  # gradient accumulation over a fixed number of micro-batches
 
+  c.advantage = ConfigDict()
+  c.advantage.estimator = "grpo"  # grpo | dr_grpo | rloo (jaxrl.losses.advantages)
+  c.advantage.eps = 1e-4  # grpo: (r - mean) / (std + eps), population std (ddof=0)
+  c.advantage.clip = 0.0  # clamp advantages to [-clip, clip]; 0 = off
+
   c.loss = ConfigDict()
-  c.loss.clip_eps = 0.2  # PPO clip range
-  c.loss.adv_eps = 1e-4  # advantage = (r - mean) / (std + eps), population std (ddof=0)
+  c.loss.policy = "ppo"  # ppo | gspo | cispo | reinforce (jaxrl.losses.policy)
+  c.loss.eps_low = 0.2  # ratio clip range [1 - eps_low, 1 + eps_high]
+  c.loss.eps_high = 0.2
+  c.loss.dual_clip = 0.0  # c > 1 caps the loss of negative-advantage tokens at -A c; 0 = off
+  c.loss.reduction = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum |
+  #   seq_mean_token_sum_norm (jaxrl.losses.reductions)
+  c.loss.norm_len = 0  # seq_mean_token_sum_norm's constant; 0 = rollout.max_new_tokens
+  c.loss.entropy_coef = 0.0  # entropy bonus (subtracted from the loss)
+  # Off-policy corrections against the sampler's log-probs, "+"-joined and applied in order:
+  # token_tis | seq_tis | icepop | seq_mask_tis | geo_mask | product_mask | outlier_mask |
+  # dppo_tv (jaxrl.losses.corrections); "none" = off.
+  c.loss.correction = "none"
+  c.loss.token_tis_cap = 2.0
+  c.loss.seq_tis_cap = 5.0
+  c.loss.icepop_low = 0.5
+  c.loss.icepop_high = 2.0
+  c.loss.seq_mask_low = 0.5
+  c.loss.seq_mask_high = 2.0
+  c.loss.geo_mask_low = 0.99
+  c.loss.geo_mask_high = 1.01
+  c.loss.product_mask_low = 0.5
+  c.loss.product_mask_high = 2.0
+  c.loss.outlier_low = 1e-4
+  c.loss.outlier_high = 100.0
+  c.loss.dppo_delta_low = 0.2
+  c.loss.dppo_delta_high = 0.2
+  # Drop rows whose mean exp(|lp_gen - lp_old|) exceeds this from the loss; 0 = off (e.g. 1.5).
+  c.loss.seq_logprob_error_threshold = 0.0
+  c.loss.logprob_impl = "auto"  # fused log-prob kernel: auto | reference | xla | pallas
+
+  c.rollout_kl = ConfigDict()  # KL to the sampler's log-probs on every trained token
+  c.rollout_kl.coef = 0.0
+  c.rollout_kl.estimator = "k2"  # k1 | k2 | k3 | abs (jaxrl.losses.kl)
+  c.rollout_kl.reduction = "token_mean"  # token_mean | seq_mean
+
+  c.ref_kl = ConfigDict()  # KL to a frozen copy of the starting policy (built only if coef != 0)
+  c.ref_kl.coef = 0.0
+  c.ref_kl.estimator = "k3"
+  c.ref_kl.reduction = "token_mean"
 
   c.eval = ConfigDict()
   c.eval.every = 20  # held-out greedy eval period in RL steps (also at start and end)

@@ -50,8 +50,14 @@ def grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
   mean = total / jnp.maximum(n, 1.0)
   centred = jnp.where(valid, r - mean, 0.0)
   ss = jax.ops.segment_sum(centred * centred, dense, num_segments=b)[dense]
-  std = jnp.sqrt(ss / jnp.maximum(n - ddof, 1.0))
-  ok = valid & (std > 0) & (n > ddof)
+  # Zero variance is decided on the rewards themselves: for equal rewards that are not exact in
+  # float32 (0.3, say), `r - mean` is a rounding residue and residue / residue would be ~1.
+  hi = jax.ops.segment_max(jnp.where(valid, r, -jnp.inf), dense, num_segments=b)[dense]
+  lo = jax.ops.segment_min(jnp.where(valid, r, jnp.inf), dense, num_segments=b)[dense]
+  spread = (hi > lo) & (ss > 0)
+  # sqrt'(0) is inf, and inf * 0 would put NaN in the gradient of zero-variance groups.
+  std = jnp.sqrt(jnp.where(spread, ss, 1.0) / jnp.maximum(n - ddof, 1.0))
+  ok = valid & spread & (n > ddof)
   return jnp.where(ok, centred / jnp.where(ok, std + eps, 1.0), 0.0)
 
 

@@ -41,7 +41,7 @@ def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array,
                   temperature=1.0, rollout_logprobs: jax.Array | None = None,
                   mask: jax.Array | None = None, estimator: str = "k2",
                   with_entropy: bool = False, impl: str | None = None,
-                  chunk_size: int | None = None, interpret: bool | None = None) -> FusedLogprob:
+                  chunk_size: int | None = None, interpret=None) -> FusedLogprob:
   """Per-token log-prob of `targets` (and entropy, rollout KL) from hidden states, fused.
 
   Args:
@@ -56,7 +56,8 @@ def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array,
     with_entropy: also return the entropy of `softmax(z)`.
     impl: `reference` (dense), `xla` (vocabulary-chunked), `pallas`; None = `default_impl()`.
     chunk_size: vocabulary chunk (`xla`) / block (`pallas`) width; None = the impl's default.
-    interpret: Pallas interpret mode; None = True on CPU (the only way Pallas runs there).
+    interpret: Pallas interpret mode (True or `pltpu.InterpretParams()`); None = interpret on
+      CPU only, the only way Pallas runs there.
 
   Returns:
     `FusedLogprob(logp, entropy, rollout_kl)`, each `[N]` float32 or None.

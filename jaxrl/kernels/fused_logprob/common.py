@@ -60,3 +60,42 @@ def add_target_grads(h, w, targets, t, g_lp, dh, dw):
   idx = jnp.clip(targets, 0, w.shape[1] - 1)
   dw = dw.at[:, idx].add((c[:, None] * h.astype(jnp.float32)).T)
   return dh, dw
+
+
+def varying_axes(*xs) -> tuple:
+  """Mesh axes any of `xs` varies over inside `shard_map` (empty outside one).
+
+  Fresh constants (loop-carry inits, kernel output shapes) are invariant across devices; under
+  `shard_map`'s type check they must be declared varying like the data they will hold.
+  """
+  axes = set()
+  for x in xs:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()))
+  return tuple(sorted(axes))
+
+
+def vary(x: jax.Array, axes: tuple) -> jax.Array:
+  """`x` typed as varying over `axes` (a no-op outside `shard_map`)."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_all(*xs):
+  """`xs` all typed as varying over the union of their axes.
+
+  Applied before a `custom_vjp`: its backward then returns cotangents of the same (varying)
+  type, and autodiff of this cast sums them over the devices an input was replicated on (e.g.
+  the unembedding's gradient under a `shard_map` over tokens).
+  """
+  axes = varying_axes(*xs)
+  return tuple(vary(x, axes) for x in xs)
+
+
+def out_struct(shape, dtype, axes: tuple) -> jax.ShapeDtypeStruct:
+  """A kernel output shape that varies over `axes` like the kernel's inputs."""
+  mat = getattr(jax.typeof(vary(jnp.zeros((), dtype), axes)), "manual_axis_type", None)
+  if mat is None:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -148,7 +148,7 @@ def _forward(h, w, targets, t, bn, bv, with_entropy, interpret):
   dt = common.compute_dtype(h, w)
   hp, wc = _pad_rows(h.astype(dt), n_pad), w.astype(dt)
   tp = _pad_rows(t[:, None], n_pad) + (jnp.arange(n_pad) >= n)[:, None]  # pad rows: t = 1
-  acc = jax.ShapeDtypeStruct((n_pad, 1), jnp.float32)
+  acc = common.out_struct((n_pad, 1), jnp.float32, common.varying_axes(hp, wc, tp))
   m, s, a = pl.pallas_call(
       functools.partial(_fwd_kernel, v=v, bv=bv, with_entropy=with_entropy),
       out_shape=(acc, acc, acc),
@@ -181,10 +181,11 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret):
   rows = (tp, _col(lse, n_pad), _col(shift, n_pad), _col(g_lp, n_pad), _col(g_ent, n_pad))
   kw = dict(v=v, bv=bv, with_entropy=with_entropy, dt=dt)
   nb, vb = n_pad // bn, pl.cdiv(v, bv)
+  axes = common.varying_axes(hp, wc, *rows)
 
   dh = pl.pallas_call(
       functools.partial(_dh_kernel, **kw),
-      out_shape=jax.ShapeDtypeStruct((n_pad, d), jnp.float32),
+      out_shape=common.out_struct((n_pad, d), jnp.float32, axes),
       grid=(nb, vb),
       in_specs=[pl.BlockSpec((bn, d), lambda i, j: (i, 0)),
                 pl.BlockSpec((d, bv), lambda i, j: (0, j))] + [_row_spec(bn, 0)] * 5,
@@ -196,7 +197,7 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret):
 
   dw = pl.pallas_call(
       functools.partial(_dw_kernel, **kw),
-      out_shape=jax.ShapeDtypeStruct((d, v), jnp.float32),
+      out_shape=common.out_struct((d, v), jnp.float32, axes),
       grid=(vb, nb),
       in_specs=[pl.BlockSpec((bn, d), lambda j, i: (i, 0)),
                 pl.BlockSpec((d, bn), lambda j, i: (0, i)),
@@ -234,15 +235,29 @@ def _core_bwd(bn, bv, with_entropy, interpret, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def _default_interpret(*xs):
+  """False on TPU / GPU. On CPU, Pallas' generic interpreter; inside `shard_map` (whose
+  varying-axes type check that interpreter does not propagate in jax 0.10) the TPU interpreter,
+  which also simulates the in-order "arbitrary" grid axis the accumulators rely on."""
+  if jax.default_backend() != "cpu":
+    return False
+  if common.varying_axes(*xs):
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
+  return True
+
+
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
                   interpret=None, block_n: int = DEFAULT_BLOCK_N):
   """`(logp [N], entropy [N] or None)`, float32; `t` is the effective temperature `[N]`.
 
   `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`), `block_n` the token
-  block `bn`; `interpret` defaults to True on CPU, where Pallas has no compiled backend.
+  block `bn`. `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where
+  Pallas has no compiled backend; None picks per backend (`_default_interpret`).
   """
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = _default_interpret(h, w, targets, t)
   bn, bv, _ = _blocks(h.shape[0], w.shape[1], block_n,
                       DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size))
-  return _core(h, w, targets.astype(jnp.int32), t, bn, bv, bool(with_entropy), bool(interpret))
+  h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
+  return _core(h, w, targets, t, bn, bv, bool(with_entropy), interpret)

@@ -36,7 +36,7 @@ from jaxrl.kernels.fused_logprob import common
 
 # Tuned on CPU (benchmarks/fused_logprob.py): large enough that the per-chunk matmuls stay
 # efficient, small enough that the `[N, c]` chunk buffers stay far below `[N, V]`.
-DEFAULT_CHUNK_SIZE = 4096
+DEFAULT_CHUNK_SIZE = 1024
 
 
 def _plan(v: int, chunk_size: int) -> tuple[int, int]:
@@ -79,8 +79,10 @@ def _forward(h, w, targets, t, chunk_size: int, with_entropy: bool):
       a = a * scale + jnp.sum(e * z, axis=1)
     return m_new, s, a
 
-  zeros = jnp.zeros((n,), jnp.float32)
-  m, s, a = lax.fori_loop(0, k, body, (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros))
+  axes = common.varying_axes(h, w, t)
+  zeros = common.vary(jnp.zeros((n,), jnp.float32), axes)
+  m0 = common.vary(jnp.full((n,), -jnp.inf, jnp.float32), axes)
+  m, s, a = lax.fori_loop(0, k, body, (m0, zeros, zeros))
   lse = m + jnp.log(s)
   logp = common.target_logit(h, w, targets, t) - lse
   entropy = lse - a / s if with_entropy else None
@@ -114,7 +116,9 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, chunk_size: int):
         dw, lax.dynamic_slice_in_dim(dw, start, c, axis=1) + dwc, start, axis=1)
     return dh, dw
 
-  init = (jnp.zeros((n, h.shape[1]), jnp.float32), jnp.zeros(w.shape, jnp.float32))
+  axes = common.varying_axes(h, w, t, lse, g_lp, g_ent)
+  init = (common.vary(jnp.zeros((n, h.shape[1]), jnp.float32), axes),
+          common.vary(jnp.zeros(w.shape, jnp.float32), axes))
   dh, dw = lax.fori_loop(0, k, body, init)
   dh, dw = common.add_target_grads(hc, wcast, targets, t, g_lp, dh, dw)
   return dh.astype(h.dtype), dw.astype(w.dtype)
@@ -152,4 +156,5 @@ def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=No
   """
   del interpret
   chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
-  return _core(h, w, targets.astype(jnp.int32), t, int(chunk_size), bool(with_entropy))
+  h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
+  return _core(h, w, targets, t, int(chunk_size), bool(with_entropy))
