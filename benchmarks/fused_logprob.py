@@ -1,0 +1,131 @@
+"""Fused log-prob kernel: compiled memory of value+grad at Qwen2-0.5B scale, and CPU wall time.
+
+Prints ONE JSON object on stdout (progress goes to stderr).
+
+(a) memory: `temp_size_in_bytes` from `memory_analysis()` of the compiled value+grad of
+    `sum(logp) + sum(rollout_kl)` w.r.t. hidden and unembedding, compiled from
+    `jax.ShapeDtypeStruct` inputs only (nothing runs), at N=8192, D=896, V=151936 (f32),
+    for each implementation; the dense `[N, V]` f32 logits alone are N*V*4 = 4.98 GB.
+(b) time: the same value+grad executed on CPU at N=1024, D=256, V=32768 (f32), median of the
+    timed runs after a warm-up, for `reference` and `xla`.
+
+  PYTHONPATH=. python benchmarks/fused_logprob.py [--chunk-size 4096] [--runs 7]
+  PYTHONPATH=. python benchmarks/fused_logprob.py --quick   # smoke test, small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.kernels import fused_logprob
+from jaxrl.kernels.fused_logprob import xla as xla_impl
+
+
+def log(*a):
+  print(*a, file=sys.stderr, flush=True)
+
+
+def value_and_grad_fn(impl: str, chunk_size: int | None):
+  """jitted `(hidden, unembedding, targets, rollout_logprobs) -> (loss, (d hidden, d W))`."""
+
+  def loss(h, w, targets, rollout):
+    o = fused_logprob(h, w, targets, temperature=1.0, rollout_logprobs=rollout, estimator="k2",
+                      impl=impl, chunk_size=chunk_size)
+    return jnp.sum(o.logp) + jnp.sum(o.rollout_kl)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def specs(n, d, v, dtype=jnp.float32):
+  return (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype),
+          jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32))
+
+
+def temp_bytes(impl, chunk_size, n, d, v):
+  """Compiled temp bytes (compile only) or the reason it did not compile."""
+  try:
+    t0 = time.perf_counter()
+    compiled = value_and_grad_fn(impl, chunk_size).lower(*specs(n, d, v)).compile()
+    mem = compiled.memory_analysis()
+    log(f"  {impl}: compiled in {time.perf_counter() - t0:.1f}s, "
+        f"temp {mem.temp_size_in_bytes / 2**20:.1f} MiB")
+    return {"temp_bytes": int(mem.temp_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes)}
+  except Exception as e:  # noqa: BLE001  (a missing backend is a reported result, not a crash)
+    log(f"  {impl}: did not compile: {type(e).__name__}")
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+def wall_time(impl, chunk_size, n, d, v, runs):
+  """Median seconds of value+grad over `runs` timed calls after one warm-up call."""
+  k = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(k[0], (n, d), jnp.float32)
+  w = jax.random.normal(k[1], (d, v), jnp.float32) * d ** -0.5
+  targets = jax.random.randint(k[2], (n,), 0, v)
+  rollout = jnp.full((n,), -np.log(v), jnp.float32)
+  f = value_and_grad_fn(impl, chunk_size)
+  jax.block_until_ready(f(h, w, targets, rollout))  # compile + warm-up
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(h, w, targets, rollout))
+    times.append(time.perf_counter() - t0)
+  log(f"  {impl}: median {statistics.median(times) * 1e3:.1f} ms over {runs} runs")
+  return {"median_s": statistics.median(times), "min_s": min(times), "runs": runs}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="small sizes, few runs (smoke test)")
+  ap.add_argument("--chunk-size", type=int, default=xla_impl.DEFAULT_CHUNK_SIZE,
+                  help="xla vocabulary chunk width")
+  ap.add_argument("--runs", type=int, default=7, help="timed runs (median reported)")
+  args = ap.parse_args()
+  if args.quick:
+    mem_shape, time_shape, runs = (1024, 128, 16384), (256, 64, 4096), 3
+  else:
+    mem_shape, time_shape, runs = (8192, 896, 151936), (1024, 256, 32768), max(5, args.runs)
+
+  out = {"benchmark": "fused_logprob", "backend": jax.default_backend(),
+         "jax": jax.__version__, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+         "xla_chunk_size": args.chunk_size, "quick": args.quick,
+         "loss": "sum(logp) + sum(rollout_kl k2), grad w.r.t. hidden and unembedding, f32"}
+
+  n, d, v = mem_shape
+  log(f"memory (compile only) at N={n} D={d} V={v}")
+  mem = {"shape": {"N": n, "D": d, "V": v}, "dense_logits_bytes": n * v * 4}
+  for impl in ("reference", "xla", "pallas"):
+    mem[impl] = temp_bytes(impl, None if impl == "reference" else args.chunk_size, n, d, v)
+  if "temp_bytes" in mem["reference"] and "temp_bytes" in mem["xla"]:
+    mem["xla_over_reference"] = mem["xla"]["temp_bytes"] / mem["reference"]["temp_bytes"]
+    mem["target_ratio"] = 1 / 16
+  if "error" in mem["pallas"]:
+    mem["pallas"]["why"] = ("Pallas has no compiled CPU backend (TPU: Mosaic, GPU: Mosaic GPU); "
+                            "on CPU it only runs in interpret mode, whose memory is not the "
+                            "kernel's")
+  out["memory"] = mem
+
+  n, d, v = time_shape
+  log(f"wall time (value+grad, CPU) at N={n} D={d} V={v}")
+  tm = {"shape": {"N": n, "D": d, "V": v}}
+  for impl in ("reference", "xla"):
+    tm[impl] = wall_time(impl, None if impl == "reference" else args.chunk_size, n, d, v, runs)
+  tm["xla_over_reference"] = tm["xla"]["median_s"] / tm["reference"]["median_s"]
+  tm["target_ratio"] = 1.2
+  out["time"] = tm
+  print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,290 @@
+"""Fused log-prob kernel: `xla` and `pallas` (interpret mode) against the dense `reference`.
+
+Shapes are small and ragged on purpose: V = 1000 with chunks of 128 leaves a last chunk of
+1000 - 7 * 128 = 104 columns, so a kernel that reads past V, or counts the overlap of the last
+chunk twice, is off by the mass of those columns.
+
+Relative errors are normwise, `max|a - b| / max|b|`: elementwise relative error is meaningless
+where a gradient entry or a KL value is ~0.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxrl.kernels import FusedLogprob, default_impl, fused_logprob
+from jaxrl.kernels.fused_logprob import pallas as pallas_impl
+from jaxrl.kernels.fused_logprob import reference as reference_impl
+from jaxrl.kernels.fused_logprob.common import effective_temperature
+from jaxrl.losses.kl import KL_ESTIMATORS
+from jaxrl.models.transformer import token_logprobs
+
+N, D, V, CHUNK = 37, 16, 1000, 128
+IMPLS = ("xla", "pallas")
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def make_inputs(n=N, d=D, v=V, dtype=jnp.float32, seed=0):
+  k = jax.random.split(jax.random.key(seed), 7)
+  h = jax.random.normal(k[0], (n, d)).astype(dtype)
+  w = (jax.random.normal(k[1], (d, v)) * 0.7).astype(dtype)
+  targets = jax.random.randint(k[2], (n,), 0, v)
+  temperature = jax.random.uniform(k[3], (n,), minval=0.5, maxval=1.5)
+  rollout = jax.random.normal(k[4], (n,)) - np.log(v)
+  mask = jax.random.uniform(k[5], (n,)) > 0.3
+  weights = jax.random.normal(k[6], (3 + len(KL_ESTIMATORS), n))  # random cotangents
+  return h, w, targets, temperature, rollout, mask, weights
+
+
+def loss_and_outputs(impl, h, w, targets, temperature, rollout, mask, weights):
+  """A loss touching every output (weighted logp, entropy and k3 rollout KL), plus, as aux,
+  every estimator's rollout KL (forward only: the gradient through any estimator reaches the
+  kernel as the cotangent of logp, which the k3 term already exercises)."""
+  call = functools.partial(fused_logprob, h, w, targets, temperature=temperature,
+                           rollout_logprobs=rollout, mask=mask, with_entropy=True, impl=impl,
+                           chunk_size=CHUNK)
+  o = call(estimator="k3")
+  total = (jnp.sum(weights[0] * jnp.where(mask, o.logp, 0.0))
+           + jnp.sum(weights[1] * jnp.where(mask, o.entropy, 0.0))
+           + jnp.sum(weights[2] * o.rollout_kl))
+  outs = {"logp": o.logp, "entropy": o.entropy}
+  for est in KL_ESTIMATORS:
+    outs[est] = jax.lax.stop_gradient(call(estimator=est).rollout_kl)
+  return total, outs
+
+
+@functools.lru_cache(maxsize=None)
+def grad_fn(impl):
+  """value_and_grad w.r.t. (hidden, unembedding), jitted once per impl (compiles dominate)."""
+  return jax.jit(jax.value_and_grad(functools.partial(loss_and_outputs, impl), argnums=(0, 1),
+                                    has_aux=True))
+
+
+def test_reference_is_token_logprobs_and_its_goldens():
+  h, w, targets, temperature, *_ = make_inputs()
+  # Per-token T with two greedy rows (T <= 0 scores at T = 1, as in scale_logits).
+  temperature = temperature.at[:2].set(jnp.array([0.0, -1.0]))
+  ref = jax.jit(functools.partial(fused_logprob, with_entropy=True, impl="reference"))
+  o = ref(h, w, targets, temperature=temperature)
+  np.testing.assert_allclose(o.logp, token_logprobs(h @ w, targets, temperature), rtol=1e-6)
+  assert o.rollout_kl is None
+  # Zero hidden states give uniform logits: logp = -log V = -6.9077554 and H = log V for every
+  # token; an off-by-one vocabulary (e.g. V - 1 columns) would give -6.9067548.
+  o = ref(jnp.zeros_like(h), w, targets, temperature=temperature)
+  np.testing.assert_allclose(o.logp, -np.log(V) * np.ones(N), rtol=1e-6)
+  np.testing.assert_allclose(o.entropy, np.log(V) * np.ones(N), rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_values_and_grads_match_reference(impl):
+  args = make_inputs()
+  (ref_loss, ref), ref_g = grad_fn("reference")(*args)
+  (loss, out), g = grad_fn(impl)(*args)
+  for name in ("logp", "entropy") + KL_ESTIMATORS:
+    assert rel_err(out[name], ref[name]) < 1e-5, name
+  assert rel_err(loss, ref_loss) < 1e-5
+  for gi, ri, name in zip(g, ref_g, ("hidden", "unembedding")):
+    assert np.all(np.isfinite(gi)), name
+    assert rel_err(gi, ri) < 1e-5, name
+  mask = np.asarray(args[5])
+  for est in KL_ESTIMATORS:  # masked tokens: KL exactly 0
+    assert np.all(np.asarray(out[est])[~mask] == 0.0)
+  # The masked rows contribute nothing to the loss, so their hidden gradient is exactly 0...
+  assert np.all(np.asarray(g[0])[~mask] == 0.0)
+  # ...while kept rows carry real gradient (so the comparison above was not of zeros).
+  assert np.abs(np.asarray(g[0])[mask]).max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scalar_temperature_and_greedy(impl):
+  h, w, targets, *_ = make_inputs()
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(impl):
+    hot = fused_logprob(h, w, targets, temperature=0.7, with_entropy=True, impl=impl,
+                        chunk_size=CHUNK)
+    greedy = fused_logprob(h, w, targets, temperature=0.0, impl=impl, chunk_size=CHUNK)
+    return hot.logp, hot.entropy, greedy.logp
+
+  ref, out = run("reference"), run(impl)
+  assert all(rel_err(a, b) < 1e-5 for a, b in zip(out, ref))
+  # Greedy (T = 0) scores at T = 1, i.e. token_logprobs at T = 1; dividing by 0 would give NaN
+  # and reusing T = 0.7 would move logp by ~40%.
+  assert rel_err(out[2], token_logprobs(h @ w, targets, 1.0)) < 1e-5
+  assert rel_err(out[2], out[0]) > 1e-2
+
+
+def test_pallas_multiple_token_blocks():
+  # block_n = 16 over N = 37: three token blocks, the last padded with 11 zero rows, times
+  # eight vocabulary blocks; called below the API to pick the token block.
+  h, w, targets, temperature, _, _, weights = make_inputs()
+  t = effective_temperature(temperature, N)
+
+  def loss(fn, hh, ww):
+    logp, entropy = fn(hh, ww, targets, t, with_entropy=True, chunk_size=CHUNK)
+    return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * entropy)
+
+  ref_v, ref_g = jax.value_and_grad(functools.partial(loss, reference_impl.fused_logprob),
+                                    (0, 1))(h, w)
+  blocked = functools.partial(pallas_impl.fused_logprob, block_n=16)
+  v, g = jax.jit(jax.value_and_grad(functools.partial(loss, blocked), (0, 1)))(h, w)
+  assert rel_err(v, ref_v) < 1e-5
+  assert rel_err(g[0], ref_g[0]) < 1e-5 and rel_err(g[1], ref_g[1]) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_inputs(impl):
+  # bf16 matmuls (f32 accumulation) in every impl; the backward rounds dl to bf16 before its
+  # matmuls and the gradients come back in bf16 (8 mantissa bits, ~4e-3 relative), so they
+  # agree to a few bf16 ulps while the f32 values agree much more closely.
+  args = make_inputs(dtype=jnp.bfloat16)
+  (_, ref), ref_g = grad_fn("reference")(*args)
+  (_, out), g = grad_fn(impl)(*args)
+  assert out["logp"].dtype == jnp.float32
+  assert rel_err(out["logp"], ref["logp"]) < 1e-4
+  assert rel_err(out["entropy"], ref["entropy"]) < 1e-4
+  assert g[0].dtype == jnp.bfloat16 and g[1].dtype == jnp.bfloat16
+  assert rel_err(g[0], ref_g[0]) < 2e-2 and rel_err(g[1], ref_g[1]) < 2e-2
+
+
+@functools.lru_cache(maxsize=None)
+def vmapped_fn(impl):
+  """Batched values and the gradient w.r.t. the shared unembedding, over hidden [B, N, D]."""
+  def per_example(h, w, targets, temperature, rollout, mask):
+    o = fused_logprob(h, w, targets, temperature=temperature, rollout_logprobs=rollout,
+                      mask=mask, with_entropy=True, impl=impl, chunk_size=CHUNK)
+    return o.logp, o.entropy, o.rollout_kl
+
+  def loss(w, hb, *rest):
+    logp, ent, kl = jax.vmap(per_example, in_axes=(0, None, 0, None, None, None))(hb, w, *rest)
+    return jnp.sum(logp) + jnp.sum(ent) + jnp.sum(kl), (logp, ent, kl)
+
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_a_batch_axis(impl):
+  # [B=2, N, D] hidden states and [B, N] targets against one shared unembedding; the
+  # unembedding gradient sums the per-example gradients. Example 1 differs from example 0
+  # (negated hidden states, shifted targets), so a batching rule that mixed examples shows.
+  h, w, targets, temperature, rollout, mask, _ = make_inputs(n=12)
+  hb, tb = jnp.stack([h, -h]), jnp.stack([targets, (targets + 7) % V])
+  (v_ref, outs_ref), g_ref = vmapped_fn("reference")(w, hb, tb, temperature, rollout, mask)
+  (v, outs), g = vmapped_fn(impl)(w, hb, tb, temperature, rollout, mask)
+  assert outs[0].shape == (2, 12)
+  assert rel_err(v, v_ref) < 1e-5 and rel_err(g, g_ref) < 1e-5
+  for a, b in zip(outs, outs_ref):
+    assert rel_err(a, b) < 1e-5
+  assert rel_err(outs[0][1], outs[0][0]) > 1e-2  # the two examples really differ
+
+
+@functools.lru_cache(maxsize=None)
+def token_sharded_fn(impl, mesh=None):
+  """value_and_grad of a weighted logp + k3 KL loss; a shard_map over tokens when `mesh`."""
+  def local(h, w, targets, temperature, rollout, mask):
+    o = fused_logprob(h, w, targets, temperature=temperature, rollout_logprobs=rollout,
+                      mask=mask, estimator="k3", impl=impl, chunk_size=CHUNK)
+    return o.logp, o.rollout_kl
+
+  if mesh is not None:
+    tok = P("d")
+    local = jax.shard_map(local, mesh=mesh, in_specs=(tok, P(), tok, tok, tok, tok),
+                          out_specs=(tok, tok))
+
+  def loss(h, w, targets, temperature, rollout, mask, weights):
+    logp, kl = local(h, w, targets, temperature, rollout, mask)
+    total = jnp.sum(weights[0] * jnp.where(mask, logp, 0.0)) + jnp.sum(weights[1] * kl)
+    return total, logp
+
+  return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shard_map_over_tokens(devices, impl):
+  # N = 64 tokens, 8 per device; unembedding replicated. Values and gradients equal the
+  # unsharded result (the unembedding gradient is the sum of the 8 shards' contributions; a
+  # missing reduction would give roughly 1/8 of it).
+  args = make_inputs(n=64)
+  mesh = Mesh(np.asarray(devices), ("d",))
+  (v_s, logp_s), g_s = token_sharded_fn(impl, mesh)(*args)
+  (v_u, logp_u), g_u = token_sharded_fn("reference")(*args)
+  assert len(logp_s.sharding.device_set) == 8
+  assert rel_err(v_s, v_u) < 1e-5 and rel_err(logp_s, logp_u) < 1e-5
+  assert rel_err(g_s[0], g_u[0]) < 1e-5 and rel_err(g_s[1], g_u[1]) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_masked_nan_rollout_logprobs_and_padding_rows(impl):
+  # Masked rows carry NaN / +-inf rollout log-probs, a padding target -1 and zero hidden
+  # states. Without the where() sanitising, k3's exp(NaN) and d**2 at inf put NaN into the KL
+  # and, through the shared unembedding, into every gradient. The estimator only matters
+  # outside the kernel, so the (slower to compile) pallas run checks k3 alone.
+  estimators = KL_ESTIMATORS if impl == "xla" else ("k3",)
+  h, w, targets, _, rollout, mask, weights = make_inputs()
+  bad = jnp.array([np.nan, np.inf, -np.inf])[jnp.arange(N) % 3]
+  rollout_bad = jnp.where(mask, rollout, bad)
+  h = jnp.where(mask[:, None], h, 0.0)
+  targets = jnp.where(mask, targets, -1)
+
+  @jax.jit
+  def run(ro, hh, ww):
+    def loss(hh, ww):
+      total = 0.0
+      for e_i, est in enumerate(estimators):
+        o = fused_logprob(hh, ww, targets, rollout_logprobs=ro, mask=mask, estimator=est,
+                          with_entropy=True, impl=impl, chunk_size=CHUNK)
+        total += jnp.sum(weights[e_i] * o.rollout_kl)
+      return total + jnp.sum(jnp.where(mask, o.entropy, 0.0)), o
+    return jax.value_and_grad(loss, (0, 1), has_aux=True)(hh, ww)
+
+  (v_bad, o), g_bad = run(rollout_bad, h, w)
+  (v_ok, _), g_ok = run(jnp.where(mask, rollout, 0.0), h, w)
+  assert np.isfinite(v_bad) and v_bad == v_ok
+  assert np.all(np.isfinite(o.logp)) and np.all(np.isfinite(o.entropy))
+  assert np.all(np.asarray(o.rollout_kl)[~np.asarray(mask)] == 0.0)
+  for gb, go in zip(g_bad, g_ok):
+    assert np.all(np.isfinite(gb))
+    np.testing.assert_array_equal(gb, go)
+  assert np.all(np.asarray(g_bad[0])[~np.asarray(mask)] == 0.0)
+
+
+def test_xla_never_materialises_logits():
+  # Compile only. N * V * 4 = 2048 * 50000 * 4 = 410 MB of f32 logits; the chunked value+grad
+  # keeps ~2 [N, chunk] buffers (2 * 8 MB at the default 1024) plus dh. The dense reference's
+  # temp holds at least one full [N, V] buffer, which is what the bound would catch.
+  n, d, v = 2048, 64, 50000
+  spec = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+          jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32))
+
+  def temp(impl):
+    def loss(h, w, tg, ro):
+      o = fused_logprob(h, w, tg, rollout_logprobs=ro, with_entropy=True, impl=impl)
+      return jnp.sum(o.logp) + jnp.sum(o.entropy) + jnp.sum(o.rollout_kl)
+    f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    return f.lower(*spec).compile().memory_analysis().temp_size_in_bytes
+
+  logits_bytes = n * v * 4
+  assert temp("reference") >= logits_bytes
+  assert temp("xla") < logits_bytes / 8
+
+
+def test_api_defaults_and_errors():
+  h, w, targets, *_ = make_inputs(n=4)
+  assert default_impl() == "xla"  # CPU
+  o = fused_logprob(h, w, targets)
+  assert isinstance(o, FusedLogprob) and o.logp.shape == (4,) and o.logp.dtype == jnp.float32
+  assert o.entropy is None and o.rollout_kl is None
+  with pytest.raises(ValueError, match="impl"):
+    fused_logprob(h, w, targets, impl="cuda")
+  with pytest.raises(ValueError, match="estimator"):
+    fused_logprob(h, w, targets, rollout_logprobs=jnp.zeros(4), estimator="k4")
+  with pytest.raises(ValueError, match="targets"):
+    fused_logprob(h, w, targets[:3])
