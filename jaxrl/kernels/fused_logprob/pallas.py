@@ -35,7 +35,7 @@ DEFAULT_BLOCK_N = 256
 DEFAULT_BLOCK_V = 512
 
 
-def _compiler_params(interpret: bool):
+def _compiler_params(interpret):
   """Dimension semantics for (parallel, accumulating) grids on the current backend."""
   if interpret:
     return None

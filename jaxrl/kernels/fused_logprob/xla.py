@@ -34,8 +34,10 @@ from jax import lax
 
 from jaxrl.kernels.fused_logprob import common
 
-# Tuned on CPU (benchmarks/fused_logprob.py): large enough that the per-chunk matmuls stay
-# efficient, small enough that the `[N, c]` chunk buffers stay far below `[N, V]`.
+# Tuned on CPU with benchmarks/fused_logprob.py: value+grad at N=1024, D=256, V=32768 ran at
+# 0.80x / 0.82x / 0.84x of the dense reference for chunks of 1024 / 512 / 2048 (interleaved
+# medians), and at N=8192, D=896, V=151936 the compiled temp memory is ~1/80 of the reference's:
+# the `[N, c]` chunk buffers stay in cache and far below `[N, V]`.
 DEFAULT_CHUNK_SIZE = 1024
 
 
