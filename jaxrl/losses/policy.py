@@ -43,10 +43,17 @@ def _broadcast_adv(adv: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _log_ratio(lp, lp_old, mask):
-  return jnp.where(mask, lp - jax.lax.stop_gradient(lp_old), 0.0)
+  # At least float32, as in `kl_estimate`: a bf16 ratio cannot resolve 1 +- 4e-3, so exp in bf16
+  # would blur every clip decision (GSPO's clip range is ~3e-4).
+  lp = jnp.asarray(lp)
+  dtype = jnp.result_type(lp.dtype, jnp.float32)
+  return jnp.where(mask, lp.astype(dtype) - jax.lax.stop_gradient(jnp.asarray(lp_old, dtype)),
+                   0.0)
 
 
 def _clipped_objective(ratio, a, mask, eps_low, eps_high, dual_clip):
+  # A NaN advantage at a masked token would reach GSPO's shared row ratio as 0 * NaN.
+  a = jnp.where(mask, a, 0.0)
   clamped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
   unclipped_loss = -a * ratio
   clipped_loss = -a * clamped
