@@ -64,6 +64,7 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
           "--config.sft.max_steps=20", "--config.sft.eval_every=10", "--config.train.steps=4",
           "--config.eval.every=2", "--config.task.dev_size=64", "--config.task.val_size=64",
           "--config.eval.batch_size=64", "--config.rollout.num_prompts=4",
+          "--config.rollout_kl.coef=0.05",
           f"--config.run_dir={run_dir}", "--config.name=tiny"]
   elsewhere = tmp_path / "cwd"
   elsewhere.mkdir()
@@ -78,8 +79,8 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   assert [r["step"] for r in sft] == list(range(1, 21))
   assert [r["step"] for r in rl] == list(range(0, 5))  # step 0 = accuracy before RL
   for r in rl[1:]:
-    for key in ("reward", "loss", "grad_norm", "entropy", "perf/step_time_s",
-                "mismatch/abs_diff/max"):
+    for key in ("reward", "loss", "grad_norm", "entropy", "perf/step_time_s", "rollout_kl",
+                "mismatch/abs_diff/max", "mismatch/token_mult_prob_error", "mismatch/gen_kl"):
       assert key in r, key
     # Sampler and trainer log-probs agree on the rollouts actually trained on.
     assert r["mismatch/abs_diff/max"] < 1e-4

@@ -29,3 +29,29 @@ def test_default_run_learns(seed, tmp_path):
   summary = json.loads((run_dir / "summary.json").read_text())
   gain = summary["val/accuracy_after_rl"] - summary["val/accuracy_before_rl"]
   assert gain >= BARS[seed], summary
+
+
+@pytest.mark.slow
+def test_default_run_with_rollout_kl_logs_it_every_step(tmp_path):
+  # The default recipe with the rollout-KL term on: `rollout_kl` and the mismatch metrics are in
+  # every RL step's metrics line, finite, and the term is small because sampler and trainer
+  # compute the same log-probs (it would be O(1) if they disagreed).
+  run_dir = tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.train", "--config.rollout_kl.coef=0.1",
+                         "--config.train.steps=60", f"--config.run_dir={run_dir}"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if r["phase"] == "rl" and r["step"] > 0]
+  assert [r["step"] for r in steps] == list(range(1, 61))
+  keys = ("rollout_kl", "mismatch/token_mult_prob_error", "mismatch/seq_mult_prob_error/mean",
+          "mismatch/seq_mult_prob_error/min", "mismatch/seq_mult_prob_error/max",
+          "mismatch/gen_kl", "mismatch/abs_diff/mean", "mismatch/abs_diff/max",
+          "mismatch/is_ratio/mean")
+  for r in steps:
+    for k in keys:
+      assert k in r and r[k] == r[k], (r["step"], k)  # present and not NaN
+    assert 0 <= r["rollout_kl"] < 1e-6 and r["mismatch/token_mult_prob_error"] < 1 + 1e-4
+  config = json.loads((run_dir / "config.json").read_text())
+  assert config["rollout_kl"]["coef"] == 0.1
