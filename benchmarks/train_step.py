@@ -72,7 +72,7 @@ def random_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
   )
 
 
-def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int) -> dict:
+def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | None) -> dict:
   B, Lp, N = case.rows, case.prompt_len, case.new_tokens
   log(f"[{case.name}] B={B} Lp={Lp} N={N}")
   mesh = make_mesh(1, 1, 1)
@@ -81,7 +81,7 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int) -> dict:
   extra = {"warmup_steps": t.warmup_steps} if "warmup_steps" in t else {}  # as the trainer
   optimizer = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, **extra)
-  step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=1)
+  step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=1, logprob_impl=impl)
   step, init_state = build_train_step(graphdef, optimizer, step_cfg, mesh, params)
   state = init_state(params)
   batch = to_rows(random_batch(case, model_cfg.vocab_size), mesh)
@@ -127,6 +127,8 @@ def main():
   ap.add_argument("--cases", default="default,long", help="comma list of: default, long")
   ap.add_argument("--steps", type=int, default=10, help="timed steps per case (>= 5)")
   ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+  ap.add_argument("--logprob-impl", default="auto",
+                  help="fused log-prob kernel: auto (the trainer's choice), reference, xla")
   args = ap.parse_args()
   if args.steps < 1:
     ap.error("--steps must be >= 1")
@@ -151,7 +153,8 @@ def main():
       "model": {k: getattr(model_cfg, k) for k in (
           "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
           "mlp_dim", "tie_embeddings", "scan_layers", "dtype")},
-      "step_config": {"loss": "grpo", "num_microbatches": 1, "optimizer": "clip + adamw",
+      "step_config": {"loss": "rl (default objective: ppo, token_mean)",
+                      "logprob_impl": args.logprob_impl, "num_microbatches": 1, "optimizer": "clip + adamw",
                       "learning_rate": cfg.train.learning_rate,
                       "warmup_steps": cfg.train.get("warmup_steps", 0),
                       "group_size": GROUP, "mesh": [1, 1, 1]},
@@ -159,7 +162,8 @@ def main():
   }
   for n in names:
     c = cases[n]
-    report["cases"][c.name] = run_case(c, model_cfg, cfg, args.steps)
+    impl = None if args.logprob_impl == "auto" else args.logprob_impl
+    report["cases"][c.name] = run_case(c, model_cfg, cfg, args.steps, impl)
   report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
   print(json.dumps(report, indent=2))
 

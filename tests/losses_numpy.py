@@ -171,7 +171,7 @@ def correction(name, lp, lp_old, lp_gen, adv, mask, p):
   a = np.repeat(a[:, None], n, axis=1) if a.ndim == 1 else a
   w = np.ones((b, n))
   keep = mask.copy()
-  flags, over = [], []  # (flag, counted) per token or per row for the metric
+  flags = []  # flag per counted token or row, for the metric
   for i in range(b):
     valid = [t for t in range(n) if mask[i, t]]
     if not valid:

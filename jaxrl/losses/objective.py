@@ -108,18 +108,17 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
   }
   maxes = {"ratio/max": st.masked_max(pol.ratio, mask)}
   mins = {"ratio/min": st.masked_min(pol.ratio, mask)}
-  if lp_gen is not None:
-    red = KL_REDUCTIONS[cfg.rollout_kl_reduction]
-    kl_sum, kl_n = reduce(red, kl_estimate(lp, lp_gen, cfg.rollout_kl_estimator, mask), mask)
-    means["rollout_kl"] = (kl_sum, kl_n)
-    if cfg.rollout_kl_coef != 0:
-      loss = loss + cfg.rollout_kl_coef * div(kl_sum, red)
-  if lp_ref is not None:
-    red = KL_REDUCTIONS[cfg.ref_kl_reduction]
-    kl_sum, kl_n = reduce(red, kl_estimate(lp, lp_ref, cfg.ref_kl_estimator, mask), mask)
-    means["ref_kl"] = (kl_sum, kl_n)
-    if cfg.ref_kl_coef != 0:
-      loss = loss + cfg.ref_kl_coef * div(kl_sum, red)
+  kl_terms = (("rollout_kl", lp_gen, cfg.rollout_kl_estimator, cfg.rollout_kl_reduction,
+               cfg.rollout_kl_coef),
+              ("ref_kl", lp_ref, cfg.ref_kl_estimator, cfg.ref_kl_reduction, cfg.ref_kl_coef))
+  for name, base, estimator, reduction, coef in kl_terms:
+    if base is None:
+      continue
+    red = KL_REDUCTIONS[reduction]
+    kl_sum, kl_n = reduce(red, kl_estimate(lp, base, estimator, mask), mask)
+    means[name] = (kl_sum, kl_n)
+    if coef != 0:
+      loss = loss + coef * div(kl_sum, red)
   if entropy is not None:
     ent_sum, _ = reduce(cfg.reduction, entropy, mask, cfg.norm_len)
     means["entropy"] = st.masked_mean(entropy, mask)
