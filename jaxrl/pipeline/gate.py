@@ -1,0 +1,247 @@
+"""The submission gate of the forced-lag pipeline: L+1 batch slots between the rollout worker and
+the trainer, with one release point.
+
+Contract (lag L >= 0, capacity L+1, batch ids 0, 1, 2, ...):
+
+- The worker calls `reserve()` before producing batch b; it blocks while L+1 slots are held.
+- The trainer's `pull()` of batch t first frees the slot of batch t-1, then waits for batch t.
+  Release on the *next* pull, never on hand-off: releasing when batch t is handed over would let
+  batch t+L+1 start with params one version older, making staleness L+1 and L = 0 asynchronous.
+- Hence batches 0..L may be reserved before any pull, and after k >= 1 pulls exactly L+k batches
+  have been reserved once the worker has caught up; with L = 0 nothing of batch t+1 is reserved
+  before the trainer asks for it.
+- Delivered items reach the trainer strictly in batch-id order, whatever order they arrive in.
+
+The gate is the only flow control: delivered items wait in an unbounded dict (at most L+1 of them
+by construction), never in a bounded queue that could block a worker holding a slot.
+
+Supervision: `fail(exc)` wakes the trainer, whose current or next `pull()` raises `WorkerFailed`
+carrying the worker's traceback; a watchdog raises `StallError` when no batch arrives for
+`stall_timeout_s`; `close()` wakes every waiter. All state sits behind ONE `threading.Condition`
+and every wait is `while not predicate: cond.wait(timeout)`, so a notify can never be lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+# Waits wake at least this often so a deadline is never overshot by more than this, even if a
+# notify were missed; notifies do the real work.
+_POLL_S = 0.05
+
+
+class PipelineClosed(Exception):
+  """The pipeline was closed (shutdown): raised to waiters instead of blocking forever."""
+
+
+class WorkerFailed(RuntimeError):
+  """The rollout worker died. `__cause__` is the worker's exception; the message holds its
+  traceback text, so the trainer's error shows where the worker actually failed."""
+
+
+class StallError(RuntimeError):
+  """No batch arrived within `rollout.stall_timeout_s` while the trainer waited."""
+
+
+class LagGate:
+  """Host-side coordinator of the forced-lag ring (see the module docstring for the contract).
+
+  Thread-safety: `reserve`/`deliver`/`fail` may be called from any worker thread(s), `pull` from
+  one trainer thread; `stats` and `close` from anywhere.
+  """
+
+  def __init__(self, lag: int, stall_timeout_s: float = 600.0):
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+      raise ValueError(f"rollout.lag must be an int >= 0, got {lag!r}")
+    if not stall_timeout_s > 0:
+      raise ValueError(f"rollout.stall_timeout_s must be > 0, got {stall_timeout_s!r}")
+    self.lag = lag
+    self.capacity = lag + 1  # >= 1 always, so L = 0 can never deadlock on an empty gate
+    self.stall_timeout_s = float(stall_timeout_s)
+    self._cond = threading.Condition()
+    self._submitted = 0  # batch ids 0..submitted-1 have been reserved
+    self._freed = 0  # batch ids 0..freed-1 have released their slot
+    self._consumed = 0  # batch ids 0..consumed-1 have been pulled
+    self._completed = 0
+    self._ready: dict[int, object] = {}  # delivered, not yet pulled
+    self._delivered_ids: set[int] = set()  # delivered and not yet pulled (guards double delivery)
+    self._failure: BaseException | None = None
+    self._failure_text = ""
+    self._closed = False
+    self._last_progress = time.monotonic()
+    self._max_held = 0
+    self._worker_blocked_s = 0.0
+    self._trainer_wait_s = 0.0
+    self._reserve_since: float | None = None  # start of the worker's current blocked reserve()
+    self._pull_since: float | None = None  # start of the trainer's current pull() wait
+    self._counters = {"regenerated": 0, "filtered": 0}
+
+  # -- worker side ---------------------------------------------------------------------------
+
+  def reserve(self) -> int | None:
+    """Takes a slot for the next batch and returns its id; blocks while all L+1 slots are held.
+
+    Returns None once the gate is closed or has failed (the worker should exit).
+    """
+    with self._cond:
+      start = time.monotonic()
+      blocked = False
+      try:
+        while self._open() and self._submitted - self._freed >= self.capacity:
+          if not blocked:
+            blocked, self._reserve_since = True, start
+          self._cond.wait(_POLL_S)
+      finally:
+        if blocked:
+          self._worker_blocked_s += time.monotonic() - start
+          self._reserve_since = None
+      if not self._open():
+        return None
+      batch_id = self._submitted
+      self._submitted += 1
+      self._max_held = max(self._max_held, self._submitted - self._freed)
+      self._check()
+      self._cond.notify_all()
+      return batch_id
+
+  def deliver(self, batch_id: int, item) -> None:
+    """Hands the finished batch `batch_id` to the trainer (it is pulled in batch-id order).
+
+    Delivering an id that was never reserved or was already delivered raises ValueError. After
+    `close()` the item is dropped: nobody will pull it.
+    """
+    with self._cond:
+      if self._closed:
+        return
+      if not self._consumed <= batch_id < self._submitted or batch_id in self._delivered_ids:
+        raise ValueError(f"deliver({batch_id}): not a reserved, undelivered batch (reserved "
+                         f"{self._consumed}..{self._submitted - 1}, delivered "
+                         f"{sorted(self._delivered_ids)})")
+      self._ready[batch_id] = item
+      self._delivered_ids.add(batch_id)
+      self._completed += 1
+      self._last_progress = time.monotonic()
+      self._cond.notify_all()
+
+  def fail(self, exc: BaseException) -> None:
+    """Records that the worker died with `exc` and wakes the trainer. The first failure wins."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    with self._cond:
+      if self._failure is None:
+        self._failure, self._failure_text = exc, text
+      self._cond.notify_all()
+
+  def add(self, counter: str, n: int = 1) -> None:
+    """Adds `n` to a cumulative counter reported by `stats()` (e.g. "regenerated", "filtered")."""
+    with self._cond:
+      self._counters[counter] = self._counters.get(counter, 0) + n
+
+  # -- trainer side --------------------------------------------------------------------------
+
+  def pull(self) -> tuple[int, object]:
+    """Frees the slot of the previously pulled batch, then returns `(batch_id, item)` for the next
+    batch in order, waiting for it.
+
+    Raises WorkerFailed (within ~_POLL_S of `fail()`, immediately when notified), PipelineClosed
+    after `close()`, StallError when no batch was delivered for `stall_timeout_s` (measured from
+    the later of this pull's start and the last delivery). A failed or stalled pull frees nothing
+    twice: the release of batch t-1 is idempotent, so calling pull again is safe.
+    """
+    with self._cond:
+      if self._freed < self._consumed:
+        self._freed = self._consumed
+        self._cond.notify_all()
+      start = time.monotonic()
+      self._pull_since = start
+      try:
+        while True:
+          self._raise_if_failed()
+          if self._closed:
+            raise PipelineClosed("pipeline closed")
+          if self._consumed in self._ready:
+            break
+          now = time.monotonic()
+          deadline = max(start, self._last_progress) + self.stall_timeout_s
+          if now >= deadline:
+            raise StallError(
+                f"no rollout batch arrived for {self.stall_timeout_s:g} s while the trainer waited "
+                f"for batch {self._consumed} (rollout.stall_timeout_s={self.stall_timeout_s:g}); "
+                f"gate: {self._stats_locked()}")
+          self._cond.wait(min(_POLL_S, deadline - now))
+      finally:
+        self._trainer_wait_s += time.monotonic() - start
+        self._pull_since = None
+      batch_id = self._consumed
+      item = self._ready.pop(batch_id)
+      self._delivered_ids.discard(batch_id)
+      self._consumed += 1
+      self._check()
+      return batch_id, item
+
+  def stats(self) -> dict:
+    """A consistent snapshot of the gate's state and cumulative counters.
+
+    slots_held, capacity (= L+1), utilization (= held / capacity), max_slots_held (high-water
+    mark), submitted (= reserved), completed (= delivered), consumed (= pulled), ready (delivered,
+    not pulled), worker_blocked_s / trainer_wait_s (total seconds reserve() / pull() waited,
+    including a wait in progress), worker_waiting / trainer_waiting (a wait is in progress),
+    regenerated / filtered and any other counter passed to `add`, closed, failed.
+    """
+    with self._cond:
+      return self._stats_locked()
+
+  def close(self) -> None:
+    """Shuts the gate: every waiter wakes (reserve returns None, pull and handoff waits checking
+    `closed` raise PipelineClosed). Idempotent."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+  @property
+  def closed(self) -> bool:
+    with self._cond:
+      return self._closed
+
+  # -- internals -----------------------------------------------------------------------------
+
+  def _open(self) -> bool:
+    return not self._closed and self._failure is None
+
+  def _raise_if_failed(self) -> None:
+    if self._failure is not None:
+      raise WorkerFailed(
+          f"rollout worker failed: {type(self._failure).__name__}: {self._failure}\n"
+          f"--- worker traceback ---\n{self._failure_text}") from self._failure
+
+  def _check(self) -> None:
+    # The gate's invariants; a violation is a bug in the gate, so fail loudly where it happens.
+    held = self._submitted - self._freed
+    assert 0 <= held <= self.capacity, (held, self.capacity)
+    assert self._freed <= self._consumed <= self._submitted, (self._freed, self._consumed)
+    assert len(self._ready) <= self.capacity, len(self._ready)
+
+  def _stats_locked(self) -> dict:
+    now = time.monotonic()
+    held = self._submitted - self._freed
+    out = {
+        "slots_held": held,
+        "capacity": self.capacity,
+        "utilization": held / self.capacity,
+        "max_slots_held": self._max_held,
+        "submitted": self._submitted,
+        "completed": self._completed,
+        "consumed": self._consumed,
+        "ready": len(self._ready),
+        "worker_blocked_s": self._worker_blocked_s
+        + (now - self._reserve_since if self._reserve_since is not None else 0.0),
+        "trainer_wait_s": self._trainer_wait_s
+        + (now - self._pull_since if self._pull_since is not None else 0.0),
+        "worker_waiting": self._reserve_since is not None,
+        "trainer_waiting": self._pull_since is not None,
+        "closed": self._closed,
+        "failed": self._failure is not None,
+    }
+    out.update(self._counters)
+    return out

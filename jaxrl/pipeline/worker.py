@@ -1,0 +1,94 @@
+"""The rollout worker: one supervised host thread that fills the lag ring.
+
+Loop: reserve a slot for batch b -> wait for params version `params_version(b, lag)` -> produce ->
+deliver. Any exception (including KeyboardInterrupt/SystemExit raised in the thread) is handed to
+the gate, so the trainer's pull raises WorkerFailed with the original traceback; the thread then
+exits. `stop()` closes the gate, which wakes every wait in this loop; `produce` itself must be
+interruptible (poll `worker.should_stop()` in long waits) for stop to be prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from jaxrl.pipeline.gate import LagGate, PipelineClosed
+from jaxrl.pipeline.handoff import ParamsHandoff
+
+
+def params_version(batch_id: int, lag: int) -> int:
+  """The params version batch `batch_id` must be generated with under forced lag: max(0, b - L).
+
+  Forced, not "newest": the trainer publishes version t before pulling batch t, and the gate lets
+  batch t+L start only after that pull, so version t is always published by then; using exactly
+  it makes first-token staleness at consumption exactly min(t, L), independent of timing.
+  """
+  return max(0, batch_id - lag)
+
+
+class RolloutWorker:
+  """Runs `produce(batch_id, params, version) -> item` for batches 0, 1, 2, ... on a thread.
+
+  Use as a context manager (`with RolloutWorker(...) as w:`) so any exit, including Ctrl-C in the
+  main thread, stops the thread.
+  """
+
+  def __init__(self, gate: LagGate, handoff: ParamsHandoff, produce, lag: int,
+               name: str = "rollout-worker"):
+    if lag != gate.lag:
+      raise ValueError(f"worker lag {lag} != gate lag {gate.lag}")
+    self.gate = gate
+    self.handoff = handoff
+    self.produce = produce
+    self.lag = lag
+    self.name = name
+    self._thread: threading.Thread | None = None
+
+  def should_stop(self) -> bool:
+    """True once the pipeline is shutting down; long-running `produce` code should poll this."""
+    return self.gate.closed
+
+  def _run(self) -> None:
+    try:
+      while True:
+        batch_id = self.gate.reserve()
+        if batch_id is None:
+          return
+        version = params_version(batch_id, self.lag)
+        params = self.handoff.get(version, should_stop=self.should_stop)
+        item = self.produce(batch_id, params, version)
+        self.gate.deliver(batch_id, item)
+    except PipelineClosed as e:
+      if not self.gate.closed:  # raised by user code while the pipeline is open: a real failure
+        self.gate.fail(e)
+    except BaseException as e:  # noqa: BLE001  (every failure must reach the trainer)
+      self.gate.fail(e)
+
+  def start(self) -> None:
+    """Starts the thread (once)."""
+    if self._thread is not None:
+      raise RuntimeError(f"{self.name} already started")
+    # daemon: a produce() that ignores should_stop must not keep the interpreter alive at exit;
+    # stop() still reports it as an error.
+    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+    self._thread.start()
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Closes the gate and joins the thread; RuntimeError if it is still alive after `timeout`."""
+    self.gate.close()
+    if self._thread is None:
+      return
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise RuntimeError(f"{self.name} did not stop within {timeout:g} s (is produce() polling "
+                         f"should_stop()?)")
+
+  def is_alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def __enter__(self) -> "RolloutWorker":
+    self.start()
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> bool:
+    self.stop()
+    return False  # never swallow the exception (KeyboardInterrupt included)
