@@ -95,6 +95,9 @@ def make_sampler(
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis)
     # The batch axis is 4th from the end in both cache layouts (stacked or per layer).
     cache = jax.tree.map(lambda x: rep(x, x.ndim - 4) if x.ndim >= 4 else rep(x, 0), cache)
+    # Decode runs its layers unrolled on a per-layer cache; splitting it here lets decode update
+    # the donated buffers in place.
+    cache = cache.per_layer()
     prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
     return cache, rep(last_logits, 0), rep(prompt_lens, 0)
 
@@ -108,6 +111,8 @@ def make_sampler(
 
   def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
     model = nnx.merge(graphdef, params)
+    # Per-layer weights, prepared once here rather than sliced in every step.
+    layers = model.layer_weights()
     B = first_logits.shape[0]
     Lp = cache.valid.shape[1] - N
     request_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, request_ids)
@@ -124,7 +129,7 @@ def make_sampler(
     def body(s: _DecodeState) -> _DecodeState:
       # Feed token t-1 into slot Lp + t - 1 at its row's own position, then draw token t.
       hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
-                            s.cache, Lp + s.t - 1)
+                            s.cache, Lp + s.t - 1, layers=layers)
       logits = model.logits(hidden[:, 0])
       return emit(s._replace(cache=cache), *pick(logits, s.t, request_keys, temperature, top_k,
                                                  top_p))
