@@ -95,9 +95,6 @@ def make_sampler(
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis)
     # The batch axis is 4th from the end in both cache layouts (stacked or per layer).
     cache = jax.tree.map(lambda x: rep(x, x.ndim - 4) if x.ndim >= 4 else rep(x, 0), cache)
-    # Decode runs its layers unrolled on a per-layer cache; splitting it here lets decode update
-    # the donated buffers in place.
-    cache = cache.per_layer()
     prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
     return cache, rep(last_logits, 0), rep(prompt_lens, 0)
 
@@ -111,8 +108,8 @@ def make_sampler(
 
   def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
     model = nnx.merge(graphdef, params)
-    # Per-layer weights, prepared once here rather than sliced in every step.
-    layers = model.layer_weights()
+    # Unrolled models: per-layer weights prepared once here rather than sliced in every step.
+    layers = None if model.cfg.scan_layers else model.layer_weights()
     B = first_logits.shape[0]
     Lp = cache.valid.shape[1] - N
     request_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, request_ids)
