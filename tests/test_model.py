@@ -96,10 +96,12 @@ def test_scan_and_unrolled_layers_agree():
 def test_kv_cache_buffers_are_distinct_for_donation():
   stacked = KVCache.zeros(tiny_model_config(scan_layers=True), batch=2, slots=4)
   assert stacked.k is not stacked.v
-  assert stacked.k.shape == (2, 2, 2, 4, 8)  # [L, B, K, S, Dh]
+  assert stacked.k.shape == (2, 2, 2, 8, 4)  # [L, B, K, Dh, S]: keys are slot-minor
+  assert stacked.v.shape == (2, 2, 2, 4, 8)  # [L, B, K, S, Dh]
   per_layer = KVCache.zeros(tiny_model_config(scan_layers=False), batch=2, slots=4)
   buffers = [*per_layer.k, *per_layer.v]
-  assert len({id(b) for b in buffers}) == 4 and buffers[0].shape == (2, 2, 4, 8)
+  assert len({id(b) for b in buffers}) == 4
+  assert buffers[0].shape == (2, 2, 8, 4) and buffers[-1].shape == (2, 2, 4, 8)
   assert stacked.valid.dtype == jnp.bool_
 
 

@@ -108,6 +108,8 @@ def make_sampler(
 
   def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
     model = nnx.merge(graphdef, params)
+    # Unrolled models: per-layer weights prepared once here rather than sliced in every step.
+    layers = None if model.cfg.scan_layers else model.layer_weights()
     B = first_logits.shape[0]
     Lp = cache.valid.shape[1] - N
     request_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, request_ids)
@@ -124,7 +126,7 @@ def make_sampler(
     def body(s: _DecodeState) -> _DecodeState:
       # Feed token t-1 into slot Lp + t - 1 at its row's own position, then draw token t.
       hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
-                            s.cache, Lp + s.t - 1)
+                            s.cache, Lp + s.t - 1, layers=layers)
       logits = model.logits(hidden[:, 0])
       return emit(s._replace(cache=cache), *pick(logits, s.t, request_keys, temperature, top_k,
                                                  top_p))
