@@ -104,6 +104,12 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
     ("rollout.top_k", _ge(0)),
     ("rollout.top_p", _in(0, 1, lo_open=True)),
+    ("rollout.lag", _ge(0)),
+    ("rollout.max_regenerations", _ge(0)),
+    ("rollout.stall_timeout_s", _gt(0)),
+    ("rollout.partial_rollouts",
+     (lambda v: v is False, "false: partial rollouts (decoding across a weight update) are not "
+      "supported yet")),
     ("train.steps", _ge(0)),
     ("train.learning_rate", _gt(0)),
     ("train.warmup_steps", _ge(0)),

@@ -16,6 +16,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
@@ -26,6 +27,8 @@ from jaxrl import parallel
 from jaxrl.data import left_pad
 from jaxrl.envs import TASKS
 from jaxrl.models import ModelConfig, init_model
+from jaxrl.pipeline import (LagGate, ParamsHandoff, RolloutWorker, fill_batch,
+                            staleness_metrics)
 from jaxrl.rollout.sampler import make_sampler
 from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
@@ -166,43 +169,96 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   val = parts.task.split("val")
+  L = r.lag
+  # Only the worker thread draws from `rng`, one batch after another in batch order, so the
+  # prompt stream does not depend on timing.
   rng = np.random.default_rng([cfg.seed, 2])
   rl_key = jax.random.key(cfg.seed)
   group_id = np.repeat(np.arange(P, dtype=np.int32), G)
   temperature = np.full(P * G, r.temperature, np.float32)
 
+  def produce(batch_id: int, params, version: int) -> dict:
+    """One batch on the worker thread: sample P x G with params `version`, then rewards."""
+    st = metrics_lib.Timer()
+    step = batch_id + 1
+    problems = parts.task.sample(rng, P)
+
+    def sample(slots, attempt):
+      key = jax.random.fold_in(rl_key, step)
+      if attempt:
+        # A filtered group is replaced by a fresh prompt in the same slot, new samples.
+        for s in slots:
+          problems[s] = parts.task.sample(rng, 1)[0]
+        key = jax.random.fold_in(key, attempt)
+      prompts, valid = parts.prompts(problems)
+      out = parts.sample(params, prompts, valid, key, np.arange(P * G) + step * P * G,
+                         r.temperature, r.top_k, r.top_p)
+      tokens, mask, logprobs = jax.device_get((out.tokens, out.mask, out.logprobs))
+      rewards = parts.task.rewards([p for p in problems for _ in range(G)], tokens, mask)
+      rows = lambda s: slice(s * G, (s + 1) * G)
+      return [dict(prompt=prompts[s], valid=valid[s], tokens=tokens[rows(s)],
+                   mask=mask[rows(s)], logprobs=logprobs[rows(s)], rewards=rewards[rows(s)])
+              for s in slots]
+
+    # The generic "this group is filtered" hook: a group is kept unless every sample failed
+    # (the built-in tasks never fail a sample; dynamic sampling plugs in here).
+    keep = lambda g: bool(np.any(np.isfinite(g["rewards"])))
+    groups, counts = fill_batch(batch_id, P, sample, keep, r.max_regenerations)
+    cat = lambda k: np.concatenate([g[k] for g in groups])
+    mask = cat("mask")
+    batch = TrainBatch(np.repeat(np.stack([g["prompt"] for g in groups]), G, 0),
+                       np.repeat(np.stack([g["valid"] for g in groups]), G, 0), cat("tokens"),
+                       mask, cat("logprobs") if r.logprobs else None, cat("rewards"), group_id,
+                       temperature)
+    return {"batch": batch, "policy_version": np.full(mask.shape, version, np.int32),
+            "sample_time_s": st(), **counts}
+
   acc0 = parts.evaluate(state.params, val)
   out.write({"phase": "rl", "step": 0, "val/accuracy": acc0})
-  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples; val accuracy {acc0:.3f}")
+  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}; "
+               f"val accuracy {acc0:.3f}")
   timer = metrics_lib.Timer()
   acc = acc0
-  for step in range(1, t.steps + 1):
-    st = metrics_lib.Timer()
-    problems = parts.task.sample(rng, P)
-    prompts, valid = parts.prompts(problems)
-    sample = parts.sample(state.params, prompts, valid, jax.random.fold_in(rl_key, step),
-                          np.arange(P * G) + step * P * G, r.temperature, r.top_k, r.top_p)
-    tokens, mask, logprobs = jax.device_get((sample.tokens, sample.mask, sample.logprobs))
-    expanded = [p for p in problems for _ in range(G)]
-    rewards = parts.task.rewards(expanded, tokens, mask)
-    t_sample = st()
-    batch = TrainBatch(np.repeat(prompts, G, 0), np.repeat(valid, G, 0), tokens, mask,
-                       logprobs if r.logprobs else None, rewards, group_id, temperature)
-    state, m = step_fn(state, to_rows(batch, parts.mesh))
-    m = jax.device_get(m)
-    dt = st()
-    groups = rewards.reshape(P, G)
-    row = {"phase": "rl", "step": step, "reward": float(rewards.mean()),
-           "reward/mixed_groups": float(np.mean(groups.max(1) > groups.min(1))),
-           "completion_len": float(mask.sum(1).mean()), **m,
-           "perf/step_time_s": dt, "perf/sample_time_s": t_sample,
-           "perf/gen_tokens_per_s": float(mask.sum()) / dt}
-    if step % cfg.eval.every == 0 or step == t.steps:
-      acc = parts.evaluate(state.params, val)
-      row["val/accuracy"] = acc
-    out.write(row)
-    progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | {dt:.2f} s/step"
-                    f" | {row['perf/gen_tokens_per_s']:.0f} tok/s")
+  gate = LagGate(L, r.stall_timeout_s)
+  handoff = ParamsHandoff()
+  # Published params are copies: the train step donates its own buffers, and the worker may
+  # still be sampling from an older version.
+  publish = lambda v: handoff.publish(v, jax.tree.map(jnp.copy, state.params))
+  publish(0)
+  regenerated = filtered = 0
+  with RolloutWorker(gate, handoff, produce, L):
+    for step in range(1, t.steps + 1):
+      st = metrics_lib.Timer()
+      batch_id, item = gate.pull()
+      consumer = step - 1  # versions published so far: one per completed train step
+      # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
+      handoff.prune_below(max(0, batch_id + 1 - L))
+      batch = item["batch"]
+      state, m = step_fn(state, to_rows(batch, parts.mesh))
+      m = jax.device_get(m)
+      publish(step)
+      dt = st()
+      regenerated += item["regenerated"]
+      filtered += item["filtered"]
+      pipe = gate.stats()
+      rewards, mask = batch.rewards, batch.mask
+      groups = rewards.reshape(P, G)
+      row = {"phase": "rl", "step": step, "batch_id": batch_id,
+             "reward": float(rewards.mean()),
+             "reward/mixed_groups": float(np.mean(groups.max(1) > groups.min(1))),
+             "completion_len": float(mask.sum(1).mean()), **m,
+             **staleness_metrics(item["policy_version"], mask, consumer),
+             **{f"pipeline/{k}": v for k, v in pipe.items()},
+             "pipeline/utilization": pipe["slots_held"] / pipe["capacity"],
+             "pipeline/regenerated": regenerated, "pipeline/filtered": filtered,
+             "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
+             "perf/gen_tokens_per_s": float(mask.sum()) / dt}
+      if step % cfg.eval.every == 0 or step == t.steps:
+        acc = parts.evaluate(state.params, val)
+        row["val/accuracy"] = acc
+      out.write(row)
+      progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
+                      f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
   progress.newline()
   parts.params = state.params
   return {"val/accuracy_before_rl": acc0, "val/accuracy_after_rl": acc,

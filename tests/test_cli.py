@@ -95,3 +95,30 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   assert json.loads((run_dir / "summary.json").read_text())["rl/steps"] == 4
   image = plotting.read_png(str(run_dir / "curves.png"))
   assert image.shape == (450, 800, 3)
+
+
+def test_tiny_run_with_lag_two_reports_exact_staleness(tmp_path):
+  # Step s (1-based) trains on batch s - 1, generated with the params published after step
+  # s - 1 - L: first-token staleness is exactly min(s - 1, 2); the ring holds at most 3 batches.
+  run_dir = tmp_path / "out"
+  args = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+          "--config.sft.max_steps=10", "--config.sft.eval_every=10", "--config.train.steps=6",
+          "--config.eval.every=3", "--config.task.dev_size=64", "--config.task.val_size=64",
+          "--config.eval.batch_size=64", "--config.rollout.num_prompts=4",
+          "--config.rollout.lag=2", f"--config.run_dir={run_dir}"]
+  proc = _train(args, tmp_path, {"JAX_LOG_COMPILES": "0"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl" and r["step"] > 0]
+  assert [r["batch_id"] for r in rl] == list(range(6))
+  for r in rl:
+    want = min(r["batch_id"], 2)
+    for k in ("first_token", "last_token", "token_mean"):
+      for stat in ("min", "mean", "max"):
+        assert r[f"staleness/{k}/{stat}"] == want, (r["step"], k, stat)
+    assert r["pipeline/capacity"] == 3 and 1 <= r["pipeline/slots_held"] <= 3
+    assert r["pipeline/consumed"] == r["batch_id"] + 1
+    assert r["pipeline/submitted"] <= r["pipeline/consumed"] + 2
+    for k in ("completed", "utilization", "regenerated", "filtered", "worker_blocked_s",
+              "trainer_wait_s"):
+      assert f"pipeline/{k}" in r, k

@@ -55,3 +55,28 @@ def test_default_run_with_rollout_kl_logs_it_every_step(tmp_path):
     assert 0 <= r["rollout_kl"] < 1e-6 and r["mismatch/token_mult_prob_error"] < 1 + 1e-4
   config = json.loads((run_dir / "config.json").read_text())
   assert config["rollout_kl"]["coef"] == 0.1
+
+
+@pytest.mark.slow
+def test_default_run_with_lag_two_learns_with_exact_staleness(tmp_path):
+  # `--config.rollout.lag=2` on the default recipe: every RL step reports first-token staleness
+  # exactly min(batch_id, 2) (step s trains on batch s - 1), the pipeline metrics are present,
+  # and held-out accuracy clears the default seed's bar.
+  run_dir = tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.train", "--config.rollout.lag=2",
+                         f"--config.run_dir={run_dir}"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=900, env=env)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  print(proc.stdout[-600:])
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if r["phase"] == "rl" and r["step"] > 0]
+  assert len(steps) == 500
+  for r in steps:
+    assert r["staleness/first_token/max"] == min(r["batch_id"], 2), r["step"]
+    for k in ("slots_held", "capacity", "utilization", "submitted", "completed", "consumed",
+              "regenerated", "filtered", "worker_blocked_s", "trainer_wait_s"):
+      assert f"pipeline/{k}" in r, k
+  summary = json.loads((run_dir / "summary.json").read_text())
+  gain = summary["val/accuracy_after_rl"] - summary["val/accuracy_before_rl"]
+  assert gain >= BARS[0], summary

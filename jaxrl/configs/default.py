@@ -61,6 +61,12 @@ def get_config() -> ConfigDict:
   c.rollout.top_k = 0  # 0: off
   c.rollout.top_p = 1.0  # 1.0: off
   c.rollout.logprobs = True  # keep the sampler's log-probs (corrections, rollout KL, mismatch)
+  # Forced lag L: a background worker generates batch t with the params published after step
+  # t - L (staleness exactly min(t, L)); 0 = synchronous on-policy training.
+  c.rollout.lag = 0
+  c.rollout.max_regenerations = 8  # re-samples of filtered groups per batch before failing
+  c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
+  c.rollout.partial_rollouts = False  # decode across weight updates (not supported yet)
 
   c.train = ConfigDict()
   c.train.steps = 500  # RL steps
