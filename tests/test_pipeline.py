@@ -48,9 +48,14 @@ def _wait_for(pred, timeout: float = 5.0, what: str = "condition") -> None:
 @pytest.fixture(autouse=True)
 def _hang_guard():
   # A deadlock must fail loudly rather than hang the suite: dump all stacks and exit.
+  before = set(threading.enumerate())
   faulthandler.dump_traceback_later(60, exit=True)
   yield
   faulthandler.cancel_dump_traceback_later()
+  # Whatever a test did (fail, stall, Ctrl-C, stop), it leaves no pipeline thread behind.
+  left = [t.name for t in set(threading.enumerate()) - before
+          if t.name.startswith("test-pipeline-") and t.is_alive()]
+  assert not left, left
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,12 +141,15 @@ class StatsSampler:
     self._stop.acquire()
     self._thread = threading.Thread(target=self._run, name="test-pipeline-sampler", daemon=True)
 
+  def _sample(self):
+    s = self.gate.stats()
+    self.samples += 1
+    if not 0 <= s["slots_held"] <= s["capacity"] or s["ready"] > s["capacity"]:
+      self.violations.append(s)
+
   def _run(self):
     while not self._stop.acquire(timeout=0.0005):
-      s = self.gate.stats()
-      self.samples += 1
-      if not 0 <= s["slots_held"] <= s["capacity"] or s["ready"] > s["capacity"]:
-        self.violations.append(s)
+      self._sample()
 
   def __enter__(self):
     self._thread.start()
@@ -151,6 +159,7 @@ class StatsSampler:
     self._stop.release()
     self._thread.join(5)
     assert not self._thread.is_alive()
+    self._sample()  # at least one sample, even if a very short run never scheduled the thread
 
 
 def run_trainer(lag, engine, steps, train_s=0.0, quiesce=(), stall_timeout_s=10.0):
@@ -268,7 +277,7 @@ def test_groups_in_slot_order_when_early_slots_finish_last():
   # Slot 0 is slowest, slot 3 fastest: requests finish in reverse slot order, the batch is still
   # delivered in slot order (T2).
   engine = FakeEngine(num_groups=4, group_size=2,
-                      latency=lambda b, slot, i, a: 0.002 * (4 - slot))
+                      latency=lambda b, slot, i, a: 0.01 * (4 - slot))
   items, _, _, _ = run_trainer(1, engine, 3)
   for b in range(3):
     order = engine.finish_order[b]
@@ -335,12 +344,26 @@ def test_gate_lag0_capacity_one():
 
 
 def test_gate_delivers_in_batch_order():
+  # The trainer is already waiting while batches complete in the order 3, 1, 2, 0: nothing may be
+  # handed over before batch 0 arrives, then everything comes out as 0, 1, 2, 3 (T2). A gate that
+  # handed over "whatever is ready" would return batch 3 first.
   gate = LagGate(3, stall_timeout_s=5)
   ids = [gate.reserve() for _ in range(4)]
-  for b in (3, 1, 2, 0):  # completion order != submission order
-    threading.Thread(target=gate.deliver, args=(b, f"item{b}"), daemon=True).start()
-    time.sleep(0.005)
-  assert [gate.pull() for _ in ids] == [(b, f"item{b}") for b in ids]
+  pulled = []
+
+  def trainer():
+    for _ in ids:
+      pulled.append(gate.pull())
+
+  th = threading.Thread(target=trainer, name="test-pipeline-trainer", daemon=True)
+  th.start()
+  for b in (3, 1, 2):
+    gate.deliver(b, f"item{b}")
+    time.sleep(0.02)
+    assert pulled == []
+  gate.deliver(0, "item0")
+  th.join(5)
+  assert pulled == [(b, f"item{b}") for b in ids]
 
 
 def test_gate_rejects_bad_deliveries_and_lags():

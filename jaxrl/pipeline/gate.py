@@ -186,7 +186,8 @@ class LagGate:
     slots_held, capacity (= L+1), utilization (= held / capacity), max_slots_held (high-water
     mark), submitted (= reserved), completed (= delivered), consumed (= pulled), ready (delivered,
     not pulled), worker_blocked_s / trainer_wait_s (total seconds reserve() / pull() waited,
-    including a wait in progress), worker_waiting / trainer_waiting (a wait is in progress),
+    including a wait in progress), worker_waiting / trainer_waiting (reserve() is blocked on a full
+    ring / pull() is blocked on a batch not yet delivered),
     regenerated / filtered and any other counter passed to `add`, closed, failed.
     """
     with self._cond:
@@ -238,8 +239,10 @@ class LagGate:
         + (now - self._reserve_since if self._reserve_since is not None else 0.0),
         "trainer_wait_s": self._trainer_wait_s
         + (now - self._pull_since if self._pull_since is not None else 0.0),
-        "worker_waiting": self._reserve_since is not None,
-        "trainer_waiting": self._pull_since is not None,
+        # Blocked *now*: a waiter that was notified but has not run yet is not counted, so
+        # "worker_waiting" really means the ring is full and the worker is idle.
+        "worker_waiting": self._reserve_since is not None and held >= self.capacity,
+        "trainer_waiting": self._pull_since is not None and self._consumed not in self._ready,
         "closed": self._closed,
         "failed": self._failure is not None,
     }
