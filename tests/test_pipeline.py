@@ -450,13 +450,13 @@ def test_gate_counters():
 # Worker supervision: failures surface, nothing is left running
 
 
-def _pipeline(lag, produce, stall_timeout_s=10.0):
+def _pipeline(lag, stall_timeout_s=10.0):
   gate = LagGate(lag, stall_timeout_s=stall_timeout_s)
   return gate, ParamsHandoff(), _name()
 
 
 def test_raising_produce_surfaces_from_pull_within_1s():
-  gate, handoff, name = _pipeline(1, None)
+  gate, handoff, name = _pipeline(1)
   raised_at = []
 
   def produce(b, params, version):
@@ -481,7 +481,7 @@ def test_raising_produce_surfaces_from_pull_within_1s():
 
 
 def test_failure_while_trainer_trains_surfaces_on_next_pull():
-  gate, handoff, name = _pipeline(0, None)
+  gate, handoff, name = _pipeline(0)
 
   def produce(b, params, version):
     if b == 1:
@@ -502,7 +502,7 @@ def test_failure_while_trainer_trains_surfaces_on_next_pull():
 
 
 def test_stalled_worker_trips_watchdog_and_stops():
-  gate, handoff, name = _pipeline(0, None, stall_timeout_s=0.3)
+  gate, handoff, name = _pipeline(0, stall_timeout_s=0.3)
   worker = RolloutWorker(gate, handoff, None, 0, name)
 
   def produce(b, params, version):  # hangs "forever", but polls should_stop like real code must
@@ -522,7 +522,7 @@ def test_stalled_worker_trips_watchdog_and_stops():
 
 
 def test_regeneration_cap_surfaces_as_worker_failed():
-  gate, handoff, name = _pipeline(1, None)
+  gate, handoff, name = _pipeline(1)
   engine = FakeEngine(num_groups=3, filter_p=1.0, max_regenerations=2)
   with RolloutWorker(gate, handoff, engine, 1, name):
     handoff.publish(0, {"version": 0})
@@ -536,7 +536,7 @@ def test_regeneration_cap_surfaces_as_worker_failed():
 
 
 def test_keyboard_interrupt_in_with_block_stops_worker():
-  gate, handoff, name = _pipeline(2, None)
+  gate, handoff, name = _pipeline(2)
   engine = FakeEngine()
   with pytest.raises(KeyboardInterrupt):
     with RolloutWorker(gate, handoff, engine, 2, name) as worker:
@@ -549,7 +549,7 @@ def test_keyboard_interrupt_in_with_block_stops_worker():
 
 
 def test_stop_while_worker_waits_for_unpublished_params():
-  gate, handoff, name = _pipeline(0, None)
+  gate, handoff, name = _pipeline(0)
   worker = RolloutWorker(gate, handoff, lambda b, p, v: b, 0, name)
   worker.start()
   _wait_for(lambda: gate.stats()["submitted"] == 1, what="batch 0 reserved")
@@ -561,7 +561,7 @@ def test_stop_while_worker_waits_for_unpublished_params():
 
 
 def test_stop_reports_a_produce_that_ignores_should_stop():
-  gate, handoff, name = _pipeline(0, None)
+  gate, handoff, name = _pipeline(0)
   release = threading.Lock()
   release.acquire()
   worker = RolloutWorker(gate, handoff, lambda b, p, v: release.acquire(timeout=10), 0, name)
@@ -758,6 +758,12 @@ def test_ring_sharded_on_8_devices(devices):
   r = ring.init(example, 3)
   expected = NamedSharding(mesh, PartitionSpec(None, "data"))
   assert r["tokens"].sharding.is_equivalent_to(expected, 3)
+  # Shape structs (what the trainer has before the first batch exists) work the same way.
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          example)
+  r_abstract = ring.init(abstract, 3)
+  assert r_abstract["logp"].shape == (3, 8) and r_abstract["logp"].dtype == jnp.float32
+  assert r_abstract["tokens"].sharding.is_equivalent_to(expected, 3)
   # Each device holds its row of every slot: [3, 1, 3].
   assert {s.data.shape for s in r["tokens"].addressable_shards} == {(3, 1, 3)}
   batch = jax.device_put({"tokens": jnp.arange(24, dtype=jnp.int32).reshape(8, 3),

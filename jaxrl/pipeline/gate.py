@@ -49,7 +49,8 @@ class LagGate:
   """Host-side coordinator of the forced-lag ring (see the module docstring for the contract).
 
   Thread-safety: `reserve`/`deliver`/`fail` may be called from any worker thread(s), `pull` from
-  one trainer thread; `stats` and `close` from anywhere.
+  one trainer thread; `stats` and `close` from anywhere. The blocked-time accounting
+  (worker_blocked_s, worker_waiting) assumes one reserving thread, as RolloutWorker has.
   """
 
   def __init__(self, lag: int, stall_timeout_s: float = 600.0):

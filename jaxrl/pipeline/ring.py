@@ -31,7 +31,7 @@ def _slot_sharding(x, depth: int):
   """The sharding of a ring leaf built from `x`: x's NamedSharding with the slot axis unsharded."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+    spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
     return NamedSharding(sharding.mesh, PartitionSpec(None, *spec))
   return None
 
@@ -47,7 +47,7 @@ def init(example, depth: int):
     raise ValueError(f"ring depth must be >= 1 (it is lag + 1), got {depth}")
 
   def leaf(x):
-    shape = (depth,) + tuple(jnp.shape(x))
+    shape = (depth,) + tuple(x.shape if hasattr(x, "shape") else jnp.shape(x))
     dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
     sharding = _slot_sharding(x, depth)
     if sharding is not None:
