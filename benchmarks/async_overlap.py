@@ -2,8 +2,9 @@
 
 The default recipe's RL loop (`jaxrl.trainer.rl`: worker thread, lag gate, train step) on the
 default model, without the supervised warm-up, with a reward function that takes a fixed time per
-batch (as an LLM judge or a code sandbox would). By default that time is the median RL step
-measured first without a delay (sampling + training), so scoring and training are comparable. At lag 0 the trainer waits for
+batch (as an LLM judge or a code sandbox would). By default that time is the trainer's share of
+a lag-0 step measured first without a delay (step time minus sampling time: the train step and
+its bookkeeping), so scoring and training take about as long. At lag 0 the trainer waits for
 every batch; at lag 1 the worker generates and scores batch t+1 while step t trains.
 
 Prints ONE JSON object (progress on stderr). Runs alternate lag 0 and lag 1; steps/s per run is
@@ -73,8 +74,11 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
       out.close()
     rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]
   times = [r["perf/step_time_s"] for r in rows]
+  train = [r["perf/step_time_s"] - r["perf/sample_time_s"] for r in rows]
   return {"lag": lag, "steps_per_s": len(times) / sum(times),
           "median_step_s": statistics.median(times),
+          "median_sample_s": statistics.median(r["perf/sample_time_s"] for r in rows),
+          "median_train_s_at_lag0": statistics.median(train) if lag == 0 else None,
           "trainer_wait_s": rows[-1]["pipeline/trainer_wait_s"],
           "staleness_first_token_max": max(r["staleness/first_token/max"] for r in rows)}
 
@@ -93,10 +97,11 @@ def main():
   t0 = time.perf_counter()
   delay = args.reward_delay_s
   if delay <= 0:
-    probe = run(0, args.skip + 6, 0.0, args.skip)
-    delay = round(probe["median_step_s"], 3)
-    log(f"no reward delay: median step {probe['median_step_s'] * 1e3:.1f} ms "
-        "(sample + train); reward delay set to it")
+    probe = run(0, args.skip + 10, 0.0, args.skip)
+    delay = round(probe["median_train_s_at_lag0"], 3)
+    log(f"no reward delay: median step {probe['median_step_s'] * 1e3:.1f} ms, of which "
+        f"sampling {probe['median_sample_s'] * 1e3:.1f} ms; reward delay set to the rest "
+        f"(train step + bookkeeping) = {delay * 1e3:.0f} ms")
   runs = {0: [], 1: []}
   for i in range(args.repeats):
     for lag in (0, 1):

@@ -124,6 +124,7 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("loss.policy", _one_of(set(POLICY_LOSSES))),
     ("loss.eps_low", _in(0, 1)),
     ("loss.eps_high", _ge(0)),
+    ("loss.ratio_base", _one_of({"auto", "trainer", "rollout"})),
     ("loss.dual_clip", (lambda v: v == 0 or v > 1, "0 (off) or > 1")),
     ("loss.reduction", _one_of(set(REDUCTIONS))),
     ("loss.norm_len", _ge(0)),
@@ -281,8 +282,19 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
     if good.get("loss.reduction", "seq_mean_token_mean") != "seq_mean_token_mean":
       problems.append(f"{p}loss.reduction: {p}loss.policy='gspo' needs 'seq_mean_token_mean' "
                       f"(one ratio per sequence), got {good['loss.reduction']!r}")
+  if good.get("loss.ratio_base") == "rollout" or (
+      good.get("loss.ratio_base") == "auto" and good.get("rollout.lag", 0) > 0):
+    weighting = [n for n in names if n in WEIGHTING]
+    if weighting:
+      problems.append(f"{p}loss.correction: {weighting[0]} re-weights by the sampler ratio, which "
+                      f"the PPO ratio already includes when {p}loss.ratio_base is 'rollout' (or "
+                      f"'auto' with {p}rollout.lag > 0); use a mask correction or "
+                      f"{p}loss.ratio_base='trainer'")
   if good.get("rollout.logprobs") is False:
     needs = [k for k, used in (("loss.correction", bool(names)),
+                               ("loss.ratio_base", good.get("loss.ratio_base") == "rollout" or (
+                                   good.get("loss.ratio_base") == "auto"
+                                   and good.get("rollout.lag", 0) > 0)),
                                ("rollout_kl.coef", on("rollout_kl.coef")),
                                ("loss.seq_logprob_error_threshold",
                                 on("loss.seq_logprob_error_threshold"))) if used]

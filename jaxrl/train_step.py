@@ -56,7 +56,8 @@ class StepConfig:
   def needs_rollout_logprobs(self) -> bool:
     o = self.objective
     return self.loss == "rl" and (bool(o.correction) or o.rollout_kl_coef != 0
-                                  or o.seq_logprob_error_threshold is not None)
+                                  or o.seq_logprob_error_threshold is not None
+                                  or o.ratio_base == "rollout")
 
   def needs_reference(self) -> bool:
     return self.loss == "rl" and self.objective.ref_kl_coef != 0
@@ -200,7 +201,8 @@ def check_batch(batch: TrainBatch, cfg: StepConfig) -> None:
     why = [k for k, on in (("loss.correction", bool(o.correction)),
                            ("rollout_kl.coef", o.rollout_kl_coef != 0),
                            ("loss.seq_logprob_error_threshold",
-                            o.seq_logprob_error_threshold is not None)) if on]
+                            o.seq_logprob_error_threshold is not None),
+                           ("loss.ratio_base", o.ratio_base == "rollout")) if on]
     raise ValueError(f"TrainBatch.rollout_logprobs is None, but {', '.join(why)} needs the "
                      "sampler's log-probs")
 

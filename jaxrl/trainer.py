@@ -108,7 +108,10 @@ def rl_step_config(cfg) -> StepConfig:
            ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
            for side in ("low", "high")}
   objective = losses.ObjectiveConfig(
-      policy=lo.policy, eps_low=lo.eps_low, eps_high=lo.eps_high,
+      policy=lo.policy,
+      ratio_base=("rollout" if cfg.rollout.lag > 0 else "trainer") if lo.ratio_base == "auto"
+      else lo.ratio_base,
+      eps_low=lo.eps_low, eps_high=lo.eps_high,
       dual_clip=lo.dual_clip or None, correction=losses.parse_correction(lo.correction),
       correction_params=losses.CorrectionParams(
           token_tis_cap=lo.token_tis_cap, seq_tis_cap=lo.seq_tis_cap, **bands),
@@ -210,8 +213,11 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
                        np.repeat(np.stack([g["valid"] for g in groups]), G, 0), cat("tokens"),
                        mask, cat("logprobs") if r.logprobs else None, cat("rewards"), group_id,
                        temperature)
-    return {"batch": batch, "policy_version": np.full(mask.shape, version, np.int32),
-            "sample_time_s": st(), **counts}
+    # Placed on the mesh here, on the worker thread, so the transfer overlaps training; the
+    # host copy stays for metrics.
+    return {"batch": batch, "device_batch": to_rows(batch, parts.mesh),
+            "policy_version": np.full(mask.shape, version, np.int32),
+            "submit_version": version, "sample_time_s": st(), **counts}
 
   acc0 = parts.evaluate(state.params, val)
   out.write({"phase": "rl", "step": 0, "val/accuracy": acc0})
@@ -234,7 +240,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
       # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
       handoff.prune_below(max(0, batch_id + 1 - L))
       batch = item["batch"]
-      state, m = step_fn(state, to_rows(batch, parts.mesh))
+      state, m = step_fn(state, item["device_batch"])
       m = jax.device_get(m)
       publish(step)
       dt = st()
@@ -243,7 +249,10 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
       pipe = gate.stats()
       rewards, mask = batch.rewards, batch.mask
       groups = rewards.reshape(P, G)
-      row = {"phase": "rl", "step": step, "batch_id": batch_id,
+      # (batch_id, slot, submit_version, consume_version, seed) make an async run replayable
+      # synchronously: batch b used params version submit_version and the stream of `seed`.
+      row = {"phase": "rl", "step": step, "batch_id": batch_id, "slot": batch_id % (L + 1),
+             "submit_version": item["submit_version"], "consume_version": consumer,
              "reward": float(rewards.mean()),
              "reward/mixed_groups": float(np.mean(groups.max(1) > groups.min(1))),
              "completion_len": float(mask.sum(1).mean()), **m,

@@ -324,3 +324,17 @@ def test_every_loss_option_combination_that_is_legal_validates():
   cfg.ref_kl.coef = 0.01
   cfg.loss.seq_logprob_error_threshold = 1.5
   validate(cfg, 1)
+
+
+def test_ratio_base_rules():
+  cfg = get_config()
+  cfg.rollout.lag = 2
+  cfg.loss.correction = "token_tis"  # auto + lag > 0 means the ratio already has the IS weight
+  assert "already includes" in _one(cfg, "loss.correction")
+  cfg.loss.correction = "outlier_mask"  # a mask is fine
+  validate(cfg, 1)
+  cfg.rollout.logprobs = False
+  assert "config.rollout.logprobs is false" in "\n".join(_problems(cfg, 1))
+  cfg = get_config()
+  cfg.loss.ratio_base = "sampler"
+  assert "must be one of" in _one(cfg, "loss.ratio_base")

@@ -921,3 +921,27 @@ def test_property_every_kl_term_has_a_gradient(mask, seed, sign):
     g = np.asarray(g)
     assert np.all(g[mask] != 0), key
     assert np.all(g[~mask] == 0), key
+
+
+def test_outratio_base_rollout_measures_the_ratio_against_outthe_sampler():
+  # lp = -1 everywhere, trainer recompute lp_old = -1 (ratio 1), sampler lp_gen = -1.5: with
+  # ratio_base="rollout" the ratio is exp(-1 - (-1.5)) = e^0.5 = 1.6487 > 1 + 0.2, so for A > 0
+  # the clipped branch is active (loss -A * 1.2, zero gradient); "trainer" gives ratio 1.
+  lp = jnp.full((2, 3), -1.0)
+  lp_gen = jnp.full((2, 3), -1.5)
+  mask = jnp.ones((2, 3), bool)
+  adv = jnp.array([1.0, 1.0])
+  for base, want_ratio, want_loss in (("trainer", 1.0, -1.0), ("rollout", np.exp(0.5), -1.2)):
+    cfg = L.ObjectiveConfig(ratio_base=base)
+    counts = L.global_counts(cfg, mask)
+    f = lambda x: L.objective(cfg, x, jax.lax.stop_gradient(x), adv, mask, counts,
+                                   lp_gen=lp_gen)
+    loss, st_out = f(lp)
+    fin = L.stats.finalize(st_out)
+    np.testing.assert_allclose(float(fin["ratio/mean"]), want_ratio, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-6)
+    g = jax.grad(lambda x: f(x)[0])(lp)
+    assert (np.asarray(g) == 0).all() == (base == "rollout")
+  with pytest.raises(ValueError, match="ratio_base='rollout'"):
+    cfg = L.ObjectiveConfig(ratio_base="rollout")
+    L.objective(cfg, lp, lp, adv, mask, L.global_counts(cfg, mask))

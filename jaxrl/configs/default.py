@@ -87,6 +87,10 @@ def get_config() -> ConfigDict:
   c.loss.policy = "ppo"  # ppo | gspo | cispo | reinforce (jaxrl.losses.policy)
   c.loss.eps_low = 0.2  # ratio clip range [1 - eps_low, 1 + eps_high]
   c.loss.eps_high = 0.2
+  # The PPO ratio's denominator: "trainer" (the trainer's recompute before the update),
+  # "rollout" (the sampler's log-probs: the ratio and its clip then span the lag), or "auto"
+  # (rollout when rollout.lag > 0, else trainer).
+  c.loss.ratio_base = "auto"
   c.loss.dual_clip = 0.0  # c > 1 caps the loss of negative-advantage tokens at -A c; 0 = off
   c.loss.reduction = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum |
   #   seq_mean_token_sum_norm (jaxrl.losses.reductions)

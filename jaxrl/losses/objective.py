@@ -37,6 +37,10 @@ class ObjectiveConfig:
   """Static settings of the objective (hashable: part of the jitted step's identity)."""
 
   policy: str = "ppo"  # ppo | gspo | cispo | reinforce
+  # The ratio's denominator: "trainer" = lp_old (the trainer's recompute before the update);
+  # "rollout" = lp_gen (the behaviour policy that sampled the tokens), so with stale rollouts
+  # (forced lag) the ratio and its clip span every update since sampling.
+  ratio_base: str = "trainer"
   eps_low: float = 0.2
   eps_high: float = 0.2
   dual_clip: float | None = None  # c > 1 caps the loss of A < 0 tokens at -A c
@@ -76,17 +80,21 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
   mask = jnp.asarray(mask, bool)
   div = lambda s, red: s / jnp.maximum(counts[red], 1.0)
   needs_gen = bool(cfg.correction) or cfg.rollout_kl_coef != 0 or \
-      cfg.seq_logprob_error_threshold is not None
+      cfg.seq_logprob_error_threshold is not None or cfg.ratio_base == "rollout"
   if needs_gen and lp_gen is None:
     raise ValueError("this objective needs the sampler's log-probs (lp_gen): corrections, "
-                     "rollout KL and seq_logprob_error_threshold are computed against them")
+                     "rollout KL, seq_logprob_error_threshold and ratio_base='rollout' are "
+                     "computed against them")
   if cfg.ref_kl_coef != 0 and lp_ref is None:
     raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
   if cfg.entropy_coef != 0 and entropy is None:
     raise ValueError("entropy_coef != 0 needs the per-token entropy")
 
   kw = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
-  pol = policy_loss(cfg.policy, lp, lp_old, adv, mask, **kw)
+  if cfg.ratio_base not in ("trainer", "rollout"):
+    raise ValueError(f"unknown ratio_base {cfg.ratio_base!r}; expected 'trainer' or 'rollout'")
+  ratio_base = lp_gen if cfg.ratio_base == "rollout" else lp_old
+  pol = policy_loss(cfg.policy, lp, ratio_base, adv, mask, **kw)
   parts = []
   weight, keep = jnp.ones(mask.shape, jnp.float32), mask
   if lp_gen is not None:
