@@ -261,6 +261,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
              "pipeline/utilization": pipe["slots_held"] / pipe["capacity"],
              "pipeline/regenerated": regenerated, "pipeline/filtered": filtered,
              "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
+             "perf/elapsed_s": timer(),
              "perf/gen_tokens_per_s": float(mask.sum()) / dt}
       if step % cfg.eval.every == 0 or step == t.steps:
         acc = parts.evaluate(state.params, val)

@@ -58,14 +58,19 @@ def test_unknown_key_in_a_config_file(tmp_path):
   _assert_failed_before_compiling(proc, "config.train.lr", "config.train.learning_rate")
 
 
+def _tiny(sft_steps, steps, eval_every, *extra):
+  """Overrides for a run small enough for the fast suite."""
+  return ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+          f"--config.sft.max_steps={sft_steps}", "--config.sft.eval_every=10",
+          f"--config.train.steps={steps}", f"--config.eval.every={eval_every}",
+          "--config.task.dev_size=64", "--config.task.val_size=64", "--config.eval.batch_size=64",
+          "--config.rollout.num_prompts=4", *extra]
+
+
 def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   run_dir = tmp_path / "out"
-  args = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
-          "--config.sft.max_steps=20", "--config.sft.eval_every=10", "--config.train.steps=4",
-          "--config.eval.every=2", "--config.task.dev_size=64", "--config.task.val_size=64",
-          "--config.eval.batch_size=64", "--config.rollout.num_prompts=4",
-          "--config.rollout_kl.coef=0.05",
-          f"--config.run_dir={run_dir}", "--config.name=tiny"]
+  args = _tiny(20, 4, 2, "--config.rollout_kl.coef=0.05", f"--config.run_dir={run_dir}",
+               "--config.name=tiny")
   elsewhere = tmp_path / "cwd"
   elsewhere.mkdir()
   proc = _train(args, elsewhere, {"JAX_LOG_COMPILES": "0"})
@@ -101,11 +106,7 @@ def test_tiny_run_with_lag_two_reports_exact_staleness(tmp_path):
   # Step s (1-based) trains on batch s - 1, generated with the params published after step
   # s - 1 - L: first-token staleness is exactly min(s - 1, 2); the ring holds at most 3 batches.
   run_dir = tmp_path / "out"
-  args = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
-          "--config.sft.max_steps=10", "--config.sft.eval_every=10", "--config.train.steps=6",
-          "--config.eval.every=3", "--config.task.dev_size=64", "--config.task.val_size=64",
-          "--config.eval.batch_size=64", "--config.rollout.num_prompts=4",
-          "--config.rollout.lag=2", f"--config.run_dir={run_dir}"]
+  args = _tiny(10, 6, 3, "--config.rollout.lag=2", f"--config.run_dir={run_dir}")
   proc = _train(args, tmp_path, {"JAX_LOG_COMPILES": "0"})
   assert proc.returncode == 0, proc.stdout + proc.stderr
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
