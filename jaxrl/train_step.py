@@ -53,11 +53,8 @@ class StepConfig:
   logprob_impl: str | None = None  # jaxrl.kernels.fused_logprob impl; None = backend default
   logprob_chunk: int | None = None  # vocabulary chunk of the fused kernel; None = its default
 
-  def needs_rollout_logprobs(self) -> bool:
-    o = self.objective
-    return self.loss == "rl" and (bool(o.correction) or o.rollout_kl_coef != 0
-                                  or o.seq_logprob_error_threshold is not None
-                                  or o.ratio_base == "rollout")
+  def rollout_logprob_users(self) -> tuple[str, ...]:
+    return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
 
   def needs_reference(self) -> bool:
     return self.loss == "rl" and self.objective.ref_kl_coef != 0
@@ -88,12 +85,6 @@ def completion_hidden(model, batch: TrainBatch) -> jax.Array:
   return hidden[:, lp - 1 : -1]
 
 
-def completion_logits(graphdef: nnx.GraphDef, params, batch: TrainBatch) -> jax.Array:
-  """float32 logits [B, N, V] of each completion token (dense; for tests and debugging)."""
-  model = nnx.merge(graphdef, params)
-  return model.logits(completion_hidden(model, batch))
-
-
 def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
                         with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None]:
   """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits)."""
@@ -113,10 +104,9 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
   o = cfg.objective
   if cfg.loss == "sft":
     logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False)
-    loss_sum, _ = losses.nll(logp, batch.mask)
+    loss_sum, n = losses.nll(logp, batch.mask)
     loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
-    return loss, losses.stats.Stats({"nll": (loss_sum, losses.count("token_mean", batch.mask))},
-                                    {"loss": loss}, {}, {})
+    return loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {}, {})
   logp, entropy = completion_logprobs(graphdef, params, batch, cfg)
   if o.entropy_coef == 0:
     entropy = jax.lax.stop_gradient(entropy)
@@ -183,27 +173,22 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
   new_state = state._replace(params=keep(new_params, state.params),
                              opt_state=keep(new_opt, state.opt_state),
                              step=state.step + finite.astype(jnp.int32))
-  live = valid.astype(jnp.float32)
+  adv_sum, adv_n = losses.stats.masked_mean(jnp.abs(advantages), valid)
   metrics = {
       **losses.stats.finalize(stats),
       "grad_norm": grad_norm,
       "tokens": jnp.sum(batch.mask).astype(jnp.float32),
       "skipped_nonfinite": (~finite).astype(jnp.int32),
-      "advantage/abs_mean": jnp.sum(jnp.abs(advantages) * live) / jnp.maximum(jnp.sum(live), 1),
+      "advantage/abs_mean": adv_sum / jnp.maximum(adv_n, 1.0),
   }
   return new_state, metrics
 
 
 def check_batch(batch: TrainBatch, cfg: StepConfig) -> None:
   """Host-side checks before the jitted step: a missing field fails here, with its name."""
-  if cfg.needs_rollout_logprobs() and batch.rollout_logprobs is None:
-    o = cfg.objective
-    why = [k for k, on in (("loss.correction", bool(o.correction)),
-                           ("rollout_kl.coef", o.rollout_kl_coef != 0),
-                           ("loss.seq_logprob_error_threshold",
-                            o.seq_logprob_error_threshold is not None),
-                           ("loss.ratio_base", o.ratio_base == "rollout")) if on]
-    raise ValueError(f"TrainBatch.rollout_logprobs is None, but {', '.join(why)} needs the "
+  users = cfg.rollout_logprob_users()
+  if users and batch.rollout_logprobs is None:
+    raise ValueError(f"TrainBatch.rollout_logprobs is None, but {', '.join(users)} needs the "
                      "sampler's log-probs")
 
 

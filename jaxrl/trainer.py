@@ -101,6 +101,11 @@ class Parts:
     return correct / len(problems)
 
 
+def _logprob_impl(cfg) -> str | None:
+  """`loss.logprob_impl` as `StepConfig` takes it ("auto" = the backend's default)."""
+  return None if cfg.loss.logprob_impl == "auto" else cfg.loss.logprob_impl
+
+
 def rl_step_config(cfg) -> StepConfig:
   """The RL train step's static settings from a validated run config."""
   lo = cfg.loss
@@ -124,7 +129,7 @@ def rl_step_config(cfg) -> StepConfig:
   a = cfg.advantage
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
                     adv_clip=a.clip or None, num_microbatches=cfg.train.num_microbatches,
-                    logprob_impl=None if lo.logprob_impl == "auto" else lo.logprob_impl)
+                    logprob_impl=_logprob_impl(cfg))
 
 
 def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
@@ -133,8 +138,7 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
     return {"sft/steps": 0}
   opt = make_optimizer(cfg.learning_rate, b1=parts.cfg.train.b1, b2=parts.cfg.train.b2,
                        grad_clip=parts.cfg.train.grad_clip)
-  impl = parts.cfg.loss.logprob_impl
-  step_cfg = StepConfig(loss="sft", logprob_impl=None if impl == "auto" else impl)
+  step_cfg = StepConfig(loss="sft", logprob_impl=_logprob_impl(parts.cfg))
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   rng = np.random.default_rng([parts.cfg.seed, 1])
@@ -207,6 +211,8 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     # (the built-in tasks never fail a sample; dynamic sampling plugs in here).
     keep = lambda g: bool(np.any(np.isfinite(g["rewards"])))
     groups, counts = fill_batch(batch_id, P, sample, keep, r.max_regenerations)
+    for name, n in counts.items():  # reported by the gate's stats as pipeline/<name>
+      gate.add(name, n)
     cat = lambda k: np.concatenate([g[k] for g in groups])
     mask = cat("mask")
     batch = TrainBatch(np.repeat(np.stack([g["prompt"] for g in groups]), G, 0),
@@ -217,7 +223,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     # host copy stays for metrics.
     return {"batch": batch, "device_batch": to_rows(batch, parts.mesh),
             "policy_version": np.full(mask.shape, version, np.int32),
-            "submit_version": version, "sample_time_s": st(), **counts}
+            "submit_version": version, "sample_time_s": st()}
 
   acc0 = parts.evaluate(state.params, val)
   out.write({"phase": "rl", "step": 0, "val/accuracy": acc0})
@@ -231,7 +237,6 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   # still be sampling from an older version.
   publish = lambda v: handoff.publish(v, jax.tree.map(jnp.copy, state.params))
   publish(0)
-  regenerated = filtered = 0
   with RolloutWorker(gate, handoff, produce, L):
     for step in range(1, t.steps + 1):
       st = metrics_lib.Timer()
@@ -244,8 +249,6 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
       m = jax.device_get(m)
       publish(step)
       dt = st()
-      regenerated += item["regenerated"]
-      filtered += item["filtered"]
       pipe = gate.stats()
       rewards, mask = batch.rewards, batch.mask
       groups = rewards.reshape(P, G)
@@ -258,8 +261,6 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
              "completion_len": float(mask.sum(1).mean()), **m,
              **staleness_metrics(item["policy_version"], mask, consumer),
              **{f"pipeline/{k}": v for k, v in pipe.items()},
-             "pipeline/utilization": pipe["slots_held"] / pipe["capacity"],
-             "pipeline/regenerated": regenerated, "pipeline/filtered": filtered,
              "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
              "perf/elapsed_s": timer(),
              "perf/gen_tokens_per_s": float(mask.sum()) / dt}

@@ -942,6 +942,6 @@ def test_outratio_base_rollout_measures_the_ratio_against_outthe_sampler():
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-6)
     g = jax.grad(lambda x: f(x)[0])(lp)
     assert (np.asarray(g) == 0).all() == (base == "rollout")
-  with pytest.raises(ValueError, match="ratio_base='rollout'"):
+  with pytest.raises(ValueError, match=r"lp_gen\) for loss.ratio_base"):
     cfg = L.ObjectiveConfig(ratio_base="rollout")
     L.objective(cfg, lp, lp, adv, mask, L.global_counts(cfg, mask))

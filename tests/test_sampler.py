@@ -8,8 +8,7 @@ import pytest
 from conftest import tiny_model_config
 from jaxrl.models import init_model
 from jaxrl.rollout.sampler import filter_logits, make_sampler
-from jaxrl.train_step import completion_logits
-from jaxrl.models import token_logprobs
+from jaxrl.train_step import StepConfig, completion_logprobs
 from jaxrl.types import TrainBatch
 
 G, N = 4, 8
@@ -40,8 +39,8 @@ def test_sampler_logprobs_equal_trainer_recompute(setup, temperature):
   batch = TrainBatch(np.repeat(prompts, G, 0), np.repeat(valid, G, 0), out.tokens, out.mask,
                      out.logprobs, np.zeros(b, np.float32), np.arange(b) // G,
                      np.full(b, temperature, np.float32))
-  recomputed = token_logprobs(completion_logits(graphdef, params, batch), batch.tokens,
-                              batch.temperature[:, None])
+  # The trainer's own path: hidden states through the fused log-prob kernel.
+  recomputed, _ = completion_logprobs(graphdef, params, batch, StepConfig(), with_entropy=False)
   diff = np.abs(np.where(out.mask, np.asarray(recomputed) - np.asarray(out.logprobs), 0.0))
   assert diff.max() <= 1e-4, diff.max()
   # The comparison is not vacuous: tokens were generated and log-probs are not all ~0.

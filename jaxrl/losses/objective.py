@@ -57,6 +57,14 @@ class ObjectiveConfig:
   entropy_coef: float = 0.0
   seq_logprob_error_threshold: float | None = None  # mask rows with E_i above it
 
+  def rollout_logprob_users(self) -> tuple[str, ...]:
+    """The settings that need the sampler's log-probs (`lp_gen`), by their run-config key."""
+    uses = (("loss.correction", bool(self.correction)),
+            ("rollout_kl.coef", self.rollout_kl_coef != 0),
+            ("loss.seq_logprob_error_threshold", self.seq_logprob_error_threshold is not None),
+            ("loss.ratio_base", self.ratio_base == "rollout"))
+    return tuple(key for key, on in uses if on)
+
   def reductions(self) -> tuple[str, ...]:
     """Every reduction whose global count the objective divides by."""
     return tuple(sorted({self.reduction, KL_REDUCTIONS[self.rollout_kl_reduction],
@@ -79,12 +87,10 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
   """
   mask = jnp.asarray(mask, bool)
   div = lambda s, red: s / jnp.maximum(counts[red], 1.0)
-  needs_gen = bool(cfg.correction) or cfg.rollout_kl_coef != 0 or \
-      cfg.seq_logprob_error_threshold is not None or cfg.ratio_base == "rollout"
-  if needs_gen and lp_gen is None:
-    raise ValueError("this objective needs the sampler's log-probs (lp_gen): corrections, "
-                     "rollout KL, seq_logprob_error_threshold and ratio_base='rollout' are "
-                     "computed against them")
+  users = cfg.rollout_logprob_users()
+  if users and lp_gen is None:
+    raise ValueError(f"this objective needs the sampler's log-probs (lp_gen) for "
+                     f"{', '.join(users)}")
   if cfg.ref_kl_coef != 0 and lp_ref is None:
     raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
   if cfg.entropy_coef != 0 and entropy is None:
@@ -105,11 +111,12 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
       c = corr.combine(cfg.correction, lp, lp_old, lp_gen, adv, mask, cfg.correction_params)
       weight, keep = c.weight, keep & c.keep
       parts.append(st.Stats(dict(c.metrics), {}, {}, {}))
-  pg_sum, _ = reduce(cfg.reduction, jnp.where(keep, weight * pol.loss, 0.0), mask, cfg.norm_len)
+  pg_sum, pg_n = reduce(cfg.reduction, jnp.where(keep, weight * pol.loss, 0.0), mask,
+                        cfg.norm_len)
   loss = div(pg_sum, cfg.reduction)
 
   means = {
-      "loss/policy": (pg_sum, count(cfg.reduction, mask)),
+      "loss/policy": (pg_sum, pg_n),
       "ratio/mean": st.masked_mean(pol.ratio, mask),
       "clip_frac": st.masked_mean(pol.clipped, mask),
       "keep_frac": st.masked_mean(keep.astype(jnp.float32), mask),
