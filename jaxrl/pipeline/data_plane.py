@@ -402,7 +402,8 @@ class DataPlane:
 
     `fields` is required: a read never means "all fields". A field whose keys are one whole
     block in placement order returns the stored array itself; other fields are gathered on
-    device by one jitted call. A plain list of keys needs `partition=`.
+    device by one jitted call. A plain list of keys needs `partition=`. Never donate a result
+    to a jitted function: it may be the stored array, which later reads would find deleted.
     """
     if isinstance(fields, str):
       fields = (fields,)
