@@ -305,7 +305,8 @@ def test_put_local_rows_and_device_arrays(mesh):
 def test_discard_clear_stats(mesh8):
   dp = DataPlane(mesh8)
   a, b, v = _meta(16, "a"), _meta(8, "b"), _meta(8, "v", partition="val")
-  dp.put(a, {"tokens": np.zeros((16, 4), np.int32), "logp": np.zeros((16, 4), np.float32)})
+  a_tokens = np.arange(64, dtype=np.int32).reshape(16, 4)
+  dp.put(a, {"tokens": a_tokens, "logp": np.zeros((16, 4), np.float32)})
   dp.put(b, {"tokens": np.zeros((8, 4), np.int32), "logp": np.zeros((8, 4), np.float32)})
   dp.put(v, {"tokens": np.zeros((8, 2), np.int32)})
   assert dp.stats() == {"train/rows": 24, "train/blocks": 2, "train/bytes": 24 * 4 * 8,
@@ -317,6 +318,8 @@ def test_discard_clear_stats(mesh8):
     dp.discard(["a/0", "a/0"], partition="train")
   assert dp.discard(a.slice(0, 8)) == 8
   assert dp.stats()["train/blocks"] == 2  # half of block a is still live
+  rest = dp.get(a.slice(8, 16), ["tokens", "logp"])
+  np.testing.assert_array_equal(np.asarray(rest["tokens"]), a_tokens[8:])
   assert dp.discard(a.slice(8, 16)) == 8
   assert dp.stats()["train/blocks"] == 1 and dp.stats()["train/bytes"] == 8 * 4 * 8
   with pytest.raises(KeyError, match="'a/0'"):

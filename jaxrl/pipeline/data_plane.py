@@ -34,9 +34,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import operator
 import threading
-from collections import Counter
 from typing import Mapping, Sequence
 
 import jax
@@ -224,7 +222,7 @@ class _Block:
 
   partition: str
   arrays: dict[str, jax.Array]
-  locs: list[tuple[int, int]]  # (block id, row) per row, the tuples the index shares
+  locs: list[int]  # packed location of each row, the int objects the index shares
   live: int
 
   @property
@@ -232,7 +230,11 @@ class _Block:
     return sum(int(a.nbytes) for a in self.arrays.values())
 
 
-_BLOCK_ID = operator.itemgetter(0)  # (block id, row) -> block id
+# The index stores a row's location as one int, (block id << _ROW_BITS) | row: a discard or a
+# gather turns a field's locations into a numpy array in one C-level pass (np.fromiter), and the
+# fast-path check compares the shared int objects of one block by identity.
+_ROW_BITS = 32
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
 
 def _gather_rows(blocks, indices):
@@ -264,7 +266,7 @@ class DataPlane:
     self._lock = threading.Lock()
     self._next_block = itertools.count()
     self._blocks: dict[int, _Block] = {}
-    # partition -> field -> key -> (block id, row); partition -> live keys (an ordered set).
+    # partition -> field -> key -> packed (block id, row); partition -> live keys (an ordered set).
     self._loc: dict[str, dict[str, dict[str, tuple[int, int]]]] = {p: {} for p in partitions}
     self._keys: dict[str, dict[str, None]] = {p: {} for p in partitions}
     self._local_rows_cache: dict[int, tuple[slice, ...]] = {}
@@ -349,7 +351,7 @@ class DataPlane:
     with self._lock:
       self._check_free(part, meta.keys, checked)  # another thread may have put meanwhile
       bid = next(self._next_block)
-      locs = list(zip(itertools.repeat(bid), range(n)))
+      locs = list(range(bid << _ROW_BITS, (bid << _ROW_BITS) + n))
       self._blocks[bid] = _Block(part, placed, locs, n)
       index = self._loc[part]
       for f in placed:
@@ -365,12 +367,11 @@ class DataPlane:
     index = self._loc[part]
     for f in arrays:
       written = index.get(f)
-      if written:
+      if written and any(map(written.__contains__, keys)):
         taken = [k for k in keys if k in written]
-        if taken:
-          raise ValueError(f"put would overwrite field {f!r} of key {taken[0]!r} in partition "
-                           f"{part!r} ({len(taken)} of {len(keys)} keys already have it); "
-                           "keys are written once per field — discard them first")
+        raise ValueError(f"put would overwrite field {f!r} of key {taken[0]!r} in partition "
+                         f"{part!r} ({len(taken)} of {len(keys)} keys already have it); "
+                         "keys are written once per field — discard them first")
 
   # -- reads ---------------------------------------------------------------------------------
 
@@ -391,8 +392,8 @@ class DataPlane:
 
   def _missing_keys(self, part: str, keys: list[str]) -> None:
     live = self._keys[part]
-    missing = [k for k in keys if k not in live]
-    if missing:
+    if not all(map(live.__contains__, keys)):
+      missing = [k for k in keys if k not in live]
       raise KeyError(f"key {missing[0]!r} is not in partition {part!r} ({len(missing)} of "
                      f"{len(keys)} requested keys are missing: never put, or discarded)")
 
@@ -434,12 +435,12 @@ class DataPlane:
           never = [k for k in keys if k not in written]
           raise KeyError(f"field {f!r} was never written for key {never[0]!r} in partition "
                          f"{part!r} ({len(never)} of {len(keys)} keys lack it)") from None
-        block = self._blocks[locs[0][0]]
+        block = self._blocks[locs[0] >> _ROW_BITS]
         if len(locs) == len(block.locs) and locs == block.locs:
           out[f] = block.arrays[f]  # fast path: the stored array, no copy
         else:
           todo.append((f, locs))
-          for bid, _ in set(locs):
+          for bid in {loc >> _ROW_BITS for loc in locs}:
             blocks.setdefault(bid, self._blocks[bid].arrays)
     if todo:
       out.update(self._gather_fields(todo, blocks))
@@ -449,11 +450,11 @@ class DataPlane:
     """One jitted call for every field that is not a whole stored block (outside the lock)."""
     args, idx_args, prev = [], [], None
     for f, locs in todo:
-      loc = np.asarray(locs, np.int64)
-      bids, pos = np.unique(loc[:, 0], return_inverse=True)
+      loc = np.fromiter(locs, np.int64, len(locs))
+      bids, pos = np.unique(loc >> _ROW_BITS, return_inverse=True)
       arrays = tuple(blocks[int(b)][f] for b in bids)
       offsets = np.cumsum([0] + [a.shape[0] for a in arrays[:-1]])
-      idx = (offsets[pos] + loc[:, 1]).astype(np.int32)
+      idx = (offsets[pos] + (loc & _ROW_MASK)).astype(np.int32)
       if prev is not None and np.array_equal(prev[0], bids) and np.array_equal(prev[1], idx):
         dev_idx = prev[2]  # same rows of the same blocks as the previous field: share the index
       else:
@@ -473,19 +474,22 @@ class DataPlane:
     A put indexes every field of its block for every row, and a key leaves all fields at once,
     so a block loses (index entries popped from it) / (its field count) live rows.
     """
-    popped: Counter[int] = Counter()
+    popped = []
     index = self._loc[part]
     for f in list(index):
       written = index[f]
-      popped.update(map(_BLOCK_ID, filter(None, map(written.pop, keys, itertools.repeat(None)))))
+      loc = np.fromiter(map(written.pop, keys, itertools.repeat(-1)), np.int64, len(keys))
+      popped.append(loc[loc >= 0] >> _ROW_BITS)
       if not written:
         del index[f]
     live = self._keys[part]
     for k in keys:
       del live[k]
-    for bid, entries in popped.items():
+    bids, entries = np.unique(np.concatenate(popped or [np.zeros(0, np.int64)]),
+                              return_counts=True)
+    for bid, count in zip(bids.tolist(), entries.tolist()):
       block = self._blocks[bid]
-      block.live -= entries // len(block.arrays)
+      block.live -= count // len(block.arrays)
       if block.live == 0:
         del self._blocks[bid]  # the store's last reference to the block's arrays
     return len(keys)
