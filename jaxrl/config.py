@@ -33,6 +33,9 @@ CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "pr
                "outlier_mask", "dppo_tv")
 WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
 
+# Per-row reward tags the rollout worker records (dynamic sampling filters on one of them).
+REWARD_FIELDS = ("reward",)
+
 DTYPES = ("float32", "bfloat16", "float16")
 _MESH_AXES = ("data", "fsdp", "tensor")
 _PREFIX = "config."
@@ -77,6 +80,13 @@ def _one_of(choices):
 
 
 # (key, (predicate, requirement)); checked only when the key exists with the right type.
+_DISTRIBUTED_RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
+    ("distributed.coordinator_address", (lambda v: True, "a string")),
+    ("distributed.num_processes", _ge(1)),
+    ("distributed.process_id", _ge(0)),
+    ("distributed.init_timeout_s", _gt(0)),
+]
+
 _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("seed", _ge(0)),
     ("log_every", _ge(1)),
@@ -110,6 +120,9 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.partial_rollouts",
      (lambda v: v is False, "false: partial rollouts (decoding across a weight update) are not "
       "supported yet")),
+    ("dynamic_sampling.tol", _ge(0)),
+    ("dynamic_sampling.max_gen_batches", _ge(1)),
+    ("dynamic_sampling.reward_field", _one_of(set(REWARD_FIELDS))),
     ("train.steps", _ge(0)),
     ("train.learning_rate", _gt(0)),
     ("train.warmup_steps", _ge(0)),
@@ -146,6 +159,7 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("eval.every", _ge(1)),
     ("eval.batch_size", _ge(1)),
     *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in _MESH_AXES),
+    *_DISTRIBUTED_RULES,
 ]
 
 
@@ -303,6 +317,50 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
                       "false")
 
 
+def _check_distributed(good: dict[str, Any], problems: list[str]) -> None:
+  p = _PREFIX
+  n, pid = good.get("distributed.num_processes"), good.get("distributed.process_id")
+  if n is not None and pid is not None and pid >= n:
+    problems.append(f"{p}distributed.process_id: must be < {p}distributed.num_processes = {n}, "
+                    f"got {pid}")
+  if n is not None and n > 1:
+    addr = good.get("distributed.coordinator_address")
+    if addr is not None and (":" not in addr or not addr.rsplit(":", 1)[1].isdigit()):
+      problems.append(f"{p}distributed.coordinator_address: {p}distributed.num_processes = {n} "
+                      f"needs process 0's 'host:port', got {addr!r}")
+    if good.get("rollout.lag", 0) > 0:
+      problems.append(
+          f"{p}rollout.lag: must be 0 with {p}distributed.num_processes > 1 (got "
+          f"{good['rollout.lag']}): every process must launch computations in the same order, "
+          "and a lagged rollout thread samples while the trainer trains")
+
+
+def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
+  """`(coordinator_address, num_processes, process_id, init_timeout_s)`, checked on their own.
+
+  Runs before JAX starts: joining the processes decides the device count that `validate` needs.
+  Returns None when these keys are bad; `validate` then reports them with every other problem.
+  """
+  problems: list[str] = []
+  ref, flat = _flatten(default_config.get_config()), _flatten(cfg)
+  good: dict[str, Any] = {}
+  for key, (pred, requirement) in _DISTRIBUTED_RULES:
+    value = flat.get(key, ref[key])
+    if not _type_ok(value, ref[key]):
+      problems.append(f"{_PREFIX}{key}: must be {type(ref[key]).__name__}, got {_describe(value)}")
+    elif not pred(value):
+      problems.append(f"{_PREFIX}{key}: must be {requirement}, got {value!r}")
+    else:
+      good[key] = value
+  lag = flat.get("rollout.lag", 0)
+  good["rollout.lag"] = lag if _type_ok(lag, 0) else 0
+  _check_distributed(good, problems)
+  if problems:
+    return None
+  return tuple(good[f"distributed.{k}"] for k in  # type: ignore[return-value]
+               ("coordinator_address", "num_processes", "process_id", "init_timeout_s"))
+
+
 def validate(cfg: ConfigDict, num_devices: int,
              task_names: Collection[str] | None = None,
              problems: Collection[str] = ()) -> MeshShape:
@@ -374,6 +432,7 @@ def validate(cfg: ConfigDict, num_devices: int,
           f"(the batch axis is sharded over both), got {good[key]}")
 
   _check_loss(good, problems)
+  _check_distributed(good, problems)
 
   if problems:
     raise ConfigError(problems)

@@ -25,22 +25,25 @@ def _plain(v: Any) -> Any:
 
 
 class MetricsWriter:
-  """Appends one JSON object per call to `<run_dir>/metrics.jsonl`."""
+  """Appends one JSON object per call to `<run_dir>/metrics.jsonl` (rows kept in memory only when
+  `run_dir` is None: the processes of a multi-process run other than process 0)."""
 
-  def __init__(self, run_dir: str):
-    self.path = os.path.join(run_dir, "metrics.jsonl")
-    self._f = open(self.path, "a", buffering=1)
+  def __init__(self, run_dir: str | None):
+    self.path = None if run_dir is None else os.path.join(run_dir, "metrics.jsonl")
+    self._f = None if self.path is None else open(self.path, "a", buffering=1)
     self.rows: list[dict] = []
 
   def write(self, row: dict) -> None:
     row = {k: _plain(v) for k, v in row.items()}
     # NaN is not JSON; keep the key so a reader sees the value was bad rather than missing.
     row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-    self._f.write(json.dumps(row) + "\n")
+    if self._f is not None:
+      self._f.write(json.dumps(row) + "\n")
     self.rows.append(row)
 
   def close(self) -> None:
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
 
 
 class Progress:

@@ -39,11 +39,15 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   import jax  # after flag parsing, so --help and bad flags never initialise a backend
 
-  from jaxrl import envs, trainer
+  from jaxrl import envs, parallel, trainer
 
   try:
     problems: list[str] = []
     cfg = config_lib.parse_overrides(_CONFIG.value, _OVERRIDES, problems)
+    # Joining the processes comes first: it decides the device count the mesh is checked against.
+    settings = config_lib.distributed_settings(cfg)
+    if settings is not None:  # else validate() names the bad keys along with any others
+      parallel.distributed.initialize(*settings)
     mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=envs.TASKS,
                                      problems=problems)
   except config_lib.ConfigError as e:

@@ -6,8 +6,15 @@ config. Phases:
 1. supervised warm-up on task demonstrations, stopped at the first `dev` greedy accuracy
    >= `sft.stop_accuracy` (so RL starts with headroom; the stop is on a split never reported);
 2. GRPO for `train.steps` steps with a fresh optimizer: P prompts x G samples, exact-match
-   reward, group-normalised advantages, PPO-clip token-mean loss;
+   reward, group-normalised advantages, the loss composed from `loss.*`; a rollout thread feeds
+   the forced-lag ring (`rollout.lag`, 0 = synchronous) and, with `dynamic_sampling.enabled`,
+   drops groups without reward variance while keeping every batch at P whole groups;
 3. held-out greedy accuracy on `val` before RL, every `eval.every` steps and at the end.
+
+Rollout rows live in the data plane (`jaxrl.pipeline.DataPlane`): partition `train` for training
+batches, keyed once when sampled, placed length-balanced over the data shards, read by the train
+step by key and freed once the step consumed them; partition `val` for evaluation passes. Only
+batch metadata crosses the ring.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from jaxrl import parallel
 from jaxrl.data import left_pad
 from jaxrl.envs import TASKS
 from jaxrl.models import ModelConfig, init_model
-from jaxrl.pipeline import (LagGate, ParamsHandoff, RolloutWorker, fill_batch,
-                            staleness_metrics)
+from jaxrl.pipeline import (BatchMeta, DataPlane, LagGate, ParamsHandoff, RolloutWorker,
+                            balance_rows, dynamic_sampling, fill_batch)
+from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
 from jaxrl.rollout.sampler import make_sampler
 from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
@@ -61,6 +69,9 @@ class Parts:
     self.mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
     self.graphdef, params = init_model(self.model_cfg, cfg.seed)
     self.params = shard_params(params, self.mesh)
+    # Rollout rows of partitions `train` and `val`: metadata here, arrays on the mesh.
+    self.data = DataPlane(self.mesh)
+    self._evals = 0
 
     r = cfg.rollout
     common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
@@ -88,17 +99,31 @@ class Parts:
                       np.ones(b, np.float32))
 
   def evaluate(self, params, problems) -> float:
-    """Greedy exact-match accuracy; the last batch is padded by repetition to keep one shape."""
+    """Greedy exact-match accuracy over `problems`.
+
+    The rollouts go through partition `val` of the data plane (rows keyed per pass, rewards as
+    tags) and the partition is cleared after the pass. The last chunk is padded by repetition to
+    keep one shape; padding rows carry a NaN reward and count for nothing.
+    """
     bs = self.cfg.eval.batch_size
-    correct = 0.0
-    for start in range(0, len(problems), bs):
-      chunk = problems[start:start + bs]
-      padded = chunk + [chunk[-1]] * (bs - len(chunk))
-      prompts, valid = self.prompts(padded)
-      out = self.sample_greedy(params, prompts, valid, jax.random.key(0), np.arange(bs), 0.0)
-      tokens, mask = jax.device_get((out.tokens, out.mask))
-      correct += float(self.task.rewards(chunk, tokens[:len(chunk)], mask[:len(chunk)]).sum())
-    return correct / len(problems)
+    self._evals += 1
+    metas = []
+    try:
+      for start in range(0, len(problems), bs):
+        chunk = problems[start:start + bs]
+        padded = chunk + [chunk[-1]] * (bs - len(chunk))
+        prompts, valid = self.prompts(padded)
+        out = self.sample_greedy(params, prompts, valid, jax.random.key(0), np.arange(bs), 0.0)
+        tokens, mask = parallel.distributed.fetch((out.tokens, out.mask))
+        reward = np.full(bs, np.nan, np.float32)
+        reward[:len(chunk)] = self.task.rewards(chunk, tokens[:len(chunk)], mask[:len(chunk)])
+        meta = BatchMeta.mint("val", f"e{self._evals}/{start}", group_ids=start + np.arange(bs),
+                              lengths=mask.sum(1), versions=np.zeros(bs), tags={"reward": reward})
+        metas.append(self.data.put(meta, {"tokens": tokens, "mask": mask}))
+      rewards = np.concatenate([m.tags["reward"] for m in metas])
+      return float(np.nansum(rewards)) / len(problems)
+    finally:
+      self.data.clear("val")
 
 
 def _logprob_impl(cfg) -> str | None:
@@ -166,6 +191,131 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
   return {"sft/steps": steps, "sft/dev_accuracy": acc, "sft/time_s": timer()}
 
 
+def _train_fields(cfg) -> tuple[str, ...]:
+  """The data-plane fields the train step reads (`TrainBatch` in field order)."""
+  return tuple(f for f in TrainBatch._fields if f != "rollout_logprobs" or cfg.rollout.logprobs)
+
+
+class Rollouts:
+  """The rollout side of RL, run by the worker thread: sample, score, filter, store.
+
+  Each batch's rows go into partition `train` of the data plane, keyed once here; what crosses the
+  lag ring is the batch's metadata alone. Group ids come from one counter, so no two groups of a
+  run share an id (the pending cache mixes generations). Only the worker thread calls `produce`,
+  one batch after another, so the prompt stream does not depend on timing.
+  """
+
+  def __init__(self, parts: Parts, gate: LagGate):
+    cfg = parts.cfg
+    self.parts, self.gate, self.r, self.ds = parts, gate, cfg.rollout, cfg.dynamic_sampling
+    self.rng = np.random.default_rng([cfg.seed, 2])
+    self.key = jax.random.key(cfg.seed)
+    self.next_group = 0
+
+  def _sample(self, params, problems, key, request_base: int) -> dict:
+    """All P x G samples for `problems` (P of them): host arrays, rows in group order."""
+    p, r, G = self.parts, self.r, self.r.group_size
+    prompts, valid = p.prompts(problems)
+    out = p.sample(params, prompts, valid, key, np.arange(len(problems) * G) + request_base,
+                   r.temperature, r.top_k, r.top_p)
+    tokens, mask, logprobs = parallel.distributed.fetch((out.tokens, out.mask, out.logprobs))
+    rows = [q for q in problems for _ in range(G)]
+    return dict(prompt_tokens=np.repeat(prompts, G, 0), prompt_valid=np.repeat(valid, G, 0),
+                tokens=tokens, mask=mask, rollout_logprobs=logprobs,
+                rewards=p.task.rewards(rows, tokens, mask).astype(np.float32))
+
+  def _store(self, prefix: str, rows: dict, version: int, place: bool) -> BatchMeta:
+    """Mints keys for `rows`, puts them in the data plane; returns their metadata.
+
+    With `place`, rows are first put in length-balanced data-shard order (so the trainer's read
+    is the stored arrays themselves); otherwise in generation order.
+    """
+    dp, G = self.parts.data, self.r.group_size
+    n = len(rows["rewards"])
+    groups = self.next_group + np.arange(n // G)
+    self.next_group += n // G
+    mask = rows["mask"]
+    policy_version = np.full(mask.shape, version, np.int32)
+    versions = row_versions(policy_version, mask)
+    meta = BatchMeta.mint(
+        "train", prefix, group_ids=np.repeat(groups, G), lengths=mask.sum(1),
+        versions=np.full(n, version), tags={"reward": rows["rewards"],
+                                            **{f"version/{k}": v for k, v in versions.items()}})
+    arrays = dict(rows, group_id=np.repeat(groups, G).astype(np.int32),
+                  temperature=np.full(n, self.r.temperature, np.float32),
+                  policy_version=policy_version)
+    if not self.r.logprobs:
+      del arrays["rollout_logprobs"]
+    if place:
+      perm, _ = balance_rows(meta.lengths, dp.num_row_shards())
+      meta = meta.subset(perm)
+      arrays = {k: v[perm] for k, v in arrays.items()}
+    return dp.put(meta, arrays)
+
+  def produce(self, batch_id: int, params, version: int) -> dict:
+    """One training batch (P whole groups) with params `version`; returns its ring item."""
+    st = metrics_lib.Timer()
+    r, ds, P, G = self.r, self.ds, self.r.num_prompts, self.r.group_size
+    step = batch_id + 1
+    key = jax.random.fold_in(self.key, step)
+    problems = self.parts.task.sample(self.rng, P)
+    info = {}
+    if ds.enabled and r.lag == 0:
+      # Synchronous: whole generation batches into a pending cache until P groups are ready.
+      def generate(attempt):
+        probs = problems if attempt == 1 else self.parts.task.sample(self.rng, P)
+        k = key if attempt == 1 else jax.random.fold_in(key, attempt)
+        rows = self._sample(params, probs, k, step * P * G)
+        return self._store(f"b{batch_id}/g{attempt}", rows, version, place=False)
+
+      meta, info = dynamic_sampling.fill_from_generations(
+          generate, num_groups=P, max_gen_batches=ds.max_gen_batches, tol=ds.tol,
+          reward_field=ds.reward_field, discard=self.parts.data.discard)
+      perm, _ = balance_rows(meta.lengths, self.parts.data.num_row_shards())
+      meta = meta.subset(perm)
+      self.gate.add("filtered", info["dynamic_sampling/dropped_groups"])
+    else:
+      # One generation; a filtered group is re-sampled into its own slot (lag > 0 dynamic
+      # sampling, or a group whose every episode failed).
+      seen = []
+
+      def sample(slots, attempt):
+        k = key
+        if attempt:
+          for s in slots:
+            problems[s] = self.parts.task.sample(self.rng, 1)[0]
+          k = jax.random.fold_in(key, attempt)
+        rows = self._sample(params, problems, k, step * P * G)
+        return [{f: v[s * G:(s + 1) * G] for f, v in rows.items()} for s in slots]
+
+      def keep(group):
+        seen.append(group["rewards"])
+        if ds.enabled:
+          return dynamic_sampling.keep_group(group[_REWARD_ARRAY[ds.reward_field]], ds.tol)
+        return bool(np.any(np.isfinite(group["rewards"])))
+
+      cap = dict(max_regenerations=r.max_regenerations)
+      if ds.enabled:
+        cap = dict(max_regenerations=ds.max_gen_batches - 1,
+                   cap_name="dynamic_sampling.max_gen_batches", cap_value=ds.max_gen_batches)
+      groups, counts = fill_batch(batch_id, P, sample, keep, **cap)
+      for name in ("regenerated", "filtered"):  # reported by the gate as pipeline/<name>
+        self.gate.add(name, counts[name])
+      rows = {f: np.concatenate([g[f] for g in groups]) for f in groups[0]}
+      meta = self._store(f"b{batch_id}", rows, version, place=True)
+      if ds.enabled:
+        info = {"reward": float(np.mean(np.concatenate(seen))),
+                "filtered_reward": float(np.mean(rows["rewards"])),
+                "dynamic_sampling/num_gen_batches": counts["attempts"],
+                "dynamic_sampling/dropped_groups": counts["filtered"],
+                "dynamic_sampling/discarded_valid_samples": 0}
+    return {"meta": meta, "submit_version": version, "sample_time_s": st(), "info": info}
+
+
+# Rollout reward tags -> the per-group host array holding them.
+_REWARD_ARRAY = {"reward": "rewards"}
+
+
 def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
   cfg = parts.cfg
   r, t = cfg.rollout, cfg.train
@@ -177,113 +327,91 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   state = init_state(parts.params)
   val = parts.task.split("val")
   L = r.lag
-  # Only the worker thread draws from `rng`, one batch after another in batch order, so the
-  # prompt stream does not depend on timing.
-  rng = np.random.default_rng([cfg.seed, 2])
-  rl_key = jax.random.key(cfg.seed)
-  group_id = np.repeat(np.arange(P, dtype=np.int32), G)
-  temperature = np.full(P * G, r.temperature, np.float32)
-
-  def produce(batch_id: int, params, version: int) -> dict:
-    """One batch on the worker thread: sample P x G with params `version`, then rewards."""
-    st = metrics_lib.Timer()
-    step = batch_id + 1
-    problems = parts.task.sample(rng, P)
-
-    def sample(slots, attempt):
-      key = jax.random.fold_in(rl_key, step)
-      if attempt:
-        # A filtered group is replaced by a fresh prompt in the same slot, new samples.
-        for s in slots:
-          problems[s] = parts.task.sample(rng, 1)[0]
-        key = jax.random.fold_in(key, attempt)
-      prompts, valid = parts.prompts(problems)
-      out = parts.sample(params, prompts, valid, key, np.arange(P * G) + step * P * G,
-                         r.temperature, r.top_k, r.top_p)
-      tokens, mask, logprobs = jax.device_get((out.tokens, out.mask, out.logprobs))
-      rewards = parts.task.rewards([p for p in problems for _ in range(G)], tokens, mask)
-      rows = lambda s: slice(s * G, (s + 1) * G)
-      return [dict(prompt=prompts[s], valid=valid[s], tokens=tokens[rows(s)],
-                   mask=mask[rows(s)], logprobs=logprobs[rows(s)], rewards=rewards[rows(s)])
-              for s in slots]
-
-    # The generic "this group is filtered" hook: a group is kept unless every sample failed
-    # (the built-in tasks never fail a sample; dynamic sampling plugs in here).
-    keep = lambda g: bool(np.any(np.isfinite(g["rewards"])))
-    groups, counts = fill_batch(batch_id, P, sample, keep, r.max_regenerations)
-    for name, n in counts.items():  # reported by the gate's stats as pipeline/<name>
-      gate.add(name, n)
-    cat = lambda k: np.concatenate([g[k] for g in groups])
-    mask = cat("mask")
-    batch = TrainBatch(np.repeat(np.stack([g["prompt"] for g in groups]), G, 0),
-                       np.repeat(np.stack([g["valid"] for g in groups]), G, 0), cat("tokens"),
-                       mask, cat("logprobs") if r.logprobs else None, cat("rewards"), group_id,
-                       temperature)
-    # Placed on the mesh here, on the worker thread, so the transfer overlaps training; the
-    # host copy stays for metrics.
-    return {"batch": batch, "device_batch": to_rows(batch, parts.mesh),
-            "policy_version": np.full(mask.shape, version, np.int32),
-            "submit_version": version, "sample_time_s": st()}
+  fields = _train_fields(cfg)
 
   acc0 = parts.evaluate(state.params, val)
   out.write({"phase": "rl", "step": 0, "val/accuracy": acc0})
-  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}; "
+  ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
+  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}{ds}; "
                f"val accuracy {acc0:.3f}")
   timer = metrics_lib.Timer()
   acc = acc0
   gate = LagGate(L, r.stall_timeout_s)
+  rollouts = Rollouts(parts, gate)
   handoff = ParamsHandoff()
   # Published params are copies: the train step donates its own buffers, and the worker may
   # still be sampling from an older version.
   publish = lambda v: handoff.publish(v, jax.tree.map(jnp.copy, state.params))
   publish(0)
-  with RolloutWorker(gate, handoff, produce, L):
-    for step in range(1, t.steps + 1):
-      st = metrics_lib.Timer()
-      batch_id, item = gate.pull()
-      consumer = step - 1  # versions published so far: one per completed train step
-      # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
-      handoff.prune_below(max(0, batch_id + 1 - L))
-      batch = item["batch"]
-      state, m = step_fn(state, item["device_batch"])
-      m = jax.device_get(m)
-      publish(step)
-      dt = st()
-      pipe = gate.stats()
-      rewards, mask = batch.rewards, batch.mask
-      groups = rewards.reshape(P, G)
-      # (batch_id, slot, submit_version, consume_version, seed) make an async run replayable
-      # synchronously: batch b used params version submit_version and the stream of `seed`.
-      row = {"phase": "rl", "step": step, "batch_id": batch_id, "slot": batch_id % (L + 1),
-             "submit_version": item["submit_version"], "consume_version": consumer,
-             "reward": float(rewards.mean()),
-             "reward/mixed_groups": float(np.mean(groups.max(1) > groups.min(1))),
-             "completion_len": float(mask.sum(1).mean()), **m,
-             **staleness_metrics(item["policy_version"], mask, consumer),
-             **{f"pipeline/{k}": v for k, v in pipe.items()},
-             "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
-             "perf/elapsed_s": timer(),
-             "perf/gen_tokens_per_s": float(mask.sum()) / dt}
-      if step % cfg.eval.every == 0 or step == t.steps:
-        acc = parts.evaluate(state.params, val)
-        row["val/accuracy"] = acc
-      out.write(row)
-      progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
-                      f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
+  try:
+    with RolloutWorker(gate, handoff, rollouts.produce, L):
+      for step in range(1, t.steps + 1):
+        st = metrics_lib.Timer()
+        batch_id, item = gate.pull()
+        consumer = step - 1  # versions published so far: one per completed train step
+        # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
+        handoff.prune_below(max(0, batch_id + 1 - L))
+        meta = item["meta"]
+        batch = _read_batch(parts.data, meta, fields)
+        state, m = step_fn(state, batch)
+        m = parallel.distributed.fetch(m)
+        del batch
+        parts.data.discard(meta)  # the step consumed these rows
+        publish(step)
+        dt = st()
+        pipe = gate.stats()
+        rewards = meta.tags["reward"]
+        mixed = [np.ptp(rewards[g]) > 0 for g in meta.group_rows()]
+        # (batch_id, slot, submit_version, consume_version, seed) make an async run replayable
+        # synchronously: batch b used params version submit_version and the stream of `seed`.
+        row = {"phase": "rl", "step": step, "batch_id": batch_id, "slot": batch_id % (L + 1),
+               "submit_version": item["submit_version"], "consume_version": consumer,
+               "reward": float(rewards.mean()), "filtered_reward": float(rewards.mean()),
+               **item["info"],
+               "reward/mixed_groups": float(np.mean(mixed)),
+               "completion_len": float(meta.lengths.mean()), **m,
+               **staleness_from_rows({k: meta.tags[f"version/{k}"]
+                                      for k in ("first", "last", "mean")}, consumer),
+               **{f"pipeline/{k}": v for k, v in pipe.items()},
+               "data_plane/train_rows": parts.data.stats()["train/rows"],
+               "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
+               "perf/elapsed_s": timer(),
+               "perf/gen_tokens_per_s": float(meta.lengths.sum()) / dt}
+        if step % cfg.eval.every == 0 or step == t.steps:
+          acc = parts.evaluate(state.params, val)
+          row["val/accuracy"] = acc
+        out.write(row)
+        progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
+                        f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
+  finally:
+    parts.data.clear("train")  # batches still in the ring when the run ends or fails
   progress.newline()
   parts.params = state.params
   return {"val/accuracy_before_rl": acc0, "val/accuracy_after_rl": acc,
           "rl/time_s": timer(), "rl/steps": t.steps}
 
 
+def _read_batch(data: DataPlane, meta: BatchMeta, fields: tuple[str, ...]) -> TrainBatch:
+  """The train step's batch: its fields read from the data plane, rows in `meta` order."""
+  arrays = data.get(meta, fields)
+  return TrainBatch(**{f: arrays.get(f) for f in TrainBatch._fields})
+
+
 def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape) -> dict:
-  """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json."""
+  """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json.
+
+  With several processes every process runs this whole function (the same computations in the
+  same order); only process 0 prints and writes files.
+  """
   total = metrics_lib.Timer()
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump(config_lib.to_dict(cfg), f, indent=2)
-  progress = metrics_lib.Progress(every=cfg.log_every)
-  out = metrics_lib.MetricsWriter(run_dir)
+  main = parallel.distributed.is_main()
+  if main:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=2)
+  quiet = None if main else open(os.devnull, "w")
+  progress = metrics_lib.Progress(stream=quiet, every=cfg.log_every)
+  out = metrics_lib.MetricsWriter(run_dir if main else None)
   try:
     parts = Parts(cfg, mesh_shape)
     n_params = sum(x.size for x in jax.tree.leaves(parts.params))
@@ -296,6 +424,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape) -> dict
     out.write({"phase": "summary", **summary})
   finally:
     out.close()
+    if quiet is not None:
+      quiet.close()
+  if not main:
+    return summary
   metrics_lib.write_chart(os.path.join(run_dir, "curves.png"), out.rows,
                           f"jaxrl {cfg.name}: GRPO on {cfg.task.name}")
   with open(os.path.join(run_dir, "summary.json"), "w") as f:

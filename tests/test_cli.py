@@ -123,3 +123,61 @@ def test_tiny_run_with_lag_two_reports_exact_staleness(tmp_path):
     for k in ("completed", "utilization", "regenerated", "filtered", "worker_blocked_s",
               "trainer_wait_s"):
       assert f"pipeline/{k}" in r, k
+
+
+# Single-digit sums: a tiny model gets non-trivial rewards after a short warm-up, so groups with
+# and without reward variance both occur and dynamic sampling has something to filter.
+_ONE_DIGIT = ["--config.task.num_digits=1", "--config.task.dev_size=16",
+              "--config.task.val_size=16", "--config.eval.batch_size=16",
+              "--config.sft.stop_accuracy=0.2", "--config.dynamic_sampling.enabled=true"]
+
+
+def _rl_rows(run_dir):
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return [r for r in rows if r["phase"] == "rl" and r["step"] > 0]
+
+
+def _check_filtered_batches(rl, group_size=8):
+  for r in rl:
+    # Every trained group has reward variance; the filter read the raw task reward.
+    assert r["reward/mixed_groups"] == 1.0, r["step"]
+    assert r["dynamic_sampling/num_gen_batches"] >= 1
+    for k in ("reward", "filtered_reward", "dynamic_sampling/dropped_groups",
+              "dynamic_sampling/discarded_valid_samples"):
+      assert k in r, k
+  assert sum(r["dynamic_sampling/dropped_groups"] for r in rl) > 0  # the filter did act
+
+
+def test_dynamic_sampling_with_lag_two_keeps_staleness_exact(tmp_path):
+  # 30 steps, lag 2, filtering on: dropped groups are re-sampled into their own slot, so the
+  # ring never loses a slot (no deadlock) and staleness stays exactly min(batch, 2).
+  run_dir = tmp_path / "out"
+  args = _tiny(300, 30, 30, *_ONE_DIGIT, "--config.rollout.lag=2", f"--config.run_dir={run_dir}")
+  proc = _train(args, tmp_path, {"JAX_LOG_COMPILES": "0"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rl = _rl_rows(run_dir)
+  assert [r["batch_id"] for r in rl] == list(range(30))
+  _check_filtered_batches(rl)
+  for r in rl:
+    want = min(r["batch_id"], 2)
+    for k in ("first_token", "last_token", "token_mean"):
+      assert r[f"staleness/{k}/min"] == r[f"staleness/{k}/max"] == want, (r["step"], k)
+    # Regeneration never over-generates; the pipeline counts every filtered group.
+    assert r["dynamic_sampling/discarded_valid_samples"] == 0
+    # At most L batches wait in the data plane after a step consumed its own (P x G rows each).
+    assert r["data_plane/train_rows"] <= 2 * 4 * 8
+  # The gate's count also covers the (up to 2) batches produced but not yet trained on.
+  assert rl[-1]["pipeline/filtered"] >= sum(r["dynamic_sampling/dropped_groups"] for r in rl)
+
+
+def test_dynamic_sampling_synchronous_pending_cache(tmp_path):
+  run_dir = tmp_path / "out"
+  args = _tiny(300, 8, 8, *_ONE_DIGIT, f"--config.run_dir={run_dir}")
+  proc = _train(args, tmp_path, {"JAX_LOG_COMPILES": "0"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rl = _rl_rows(run_dir)
+  _check_filtered_batches(rl)
+  for r in rl:
+    # Whole extra generations fill the cache; their surplus groups are discarded whole.
+    assert r["dynamic_sampling/discarded_valid_samples"] % 8 == 0
+    assert r["data_plane/train_rows"] == 0  # lag 0: nothing left once the step consumed it

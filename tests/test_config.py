@@ -8,7 +8,8 @@ import sys
 import pytest
 from ml_collections import ConfigDict
 
-from jaxrl.config import ConfigError, MeshShape, parse_overrides, to_dict, validate
+from jaxrl.config import (ConfigError, MeshShape, distributed_settings, parse_overrides, to_dict,
+                          validate)
 from jaxrl.configs.default import get_config
 
 
@@ -124,6 +125,12 @@ def test_int_is_accepted_where_float_is_expected():
     ("rollout.max_regenerations", -2, "must be >= 0"),
     ("rollout.partial_rollouts", True, "not supported yet"),
     ("mesh.fsdp", 0, "must be >= 1 or -1, got 0"),
+    ("dynamic_sampling.tol", -0.1, "must be >= 0"),
+    ("dynamic_sampling.max_gen_batches", 0, "must be >= 1, got 0"),
+    ("dynamic_sampling.reward_field", "shaped", "must be one of ['reward'], got 'shaped'"),
+    ("distributed.num_processes", 0, "must be >= 1, got 0"),
+    ("distributed.process_id", -1, "must be >= 0, got -1"),
+    ("distributed.init_timeout_s", 0, "must be > 0"),
 ])
 def test_out_of_range(key, value, expected):
   cfg = get_config()
@@ -338,3 +345,35 @@ def test_ratio_base_rules():
   cfg = get_config()
   cfg.loss.ratio_base = "sampler"
   assert "must be one of" in _one(cfg, "loss.ratio_base")
+
+
+@pytest.mark.parametrize("overrides, key, expected", [
+    ({"process_id": 2, "num_processes": 2, "coordinator_address": "127.0.0.1:1234"},
+     "distributed.process_id", "must be < config.distributed.num_processes = 2, got 2"),
+    ({"num_processes": 2}, "distributed.coordinator_address", "needs process 0's 'host:port'"),
+    ({"num_processes": 2, "coordinator_address": "host"}, "distributed.coordinator_address",
+     "got 'host'"),
+])
+def test_distributed_cross_checks(overrides, key, expected):
+  cfg = get_config()
+  for k, v in overrides.items():
+    cfg.distributed[k] = v
+  assert expected in _one(cfg, key)
+  # The pre-start check refuses the same settings (and validate() then names them).
+  assert distributed_settings(cfg) is None
+
+
+def test_distributed_settings_before_jax_starts():
+  cfg = get_config()
+  assert distributed_settings(cfg) == ("", 1, 0, 300)
+  cfg.distributed.num_processes = 2
+  cfg.distributed.process_id = 1
+  cfg.distributed.coordinator_address = "10.0.0.2:8476"
+  assert distributed_settings(cfg) == ("10.0.0.2:8476", 2, 1, 300)
+  validate(cfg, 8)
+  cfg.rollout.lag = 1  # a lagged rollout thread would launch work in a different order per process
+  assert "must be 0 with config.distributed.num_processes > 1" in _one(cfg, "rollout.lag", 8)
+  assert distributed_settings(cfg) is None
+  cfg = ConfigDict(get_config().to_dict(), type_safe=False)
+  cfg.distributed.num_processes = "2"
+  assert distributed_settings(cfg) is None

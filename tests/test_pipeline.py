@@ -253,7 +253,7 @@ def test_forced_lag_properties(lag, steps, num_groups, group_size, max_latency_m
   check_lag_contract(lag, engine, items, pull_start, stats, sampler)
   assert stats["consumed"] == steps and stats["submitted"] <= lag + steps
   if filter_p == 0.0:
-    assert all(i == {"regenerated": 0, "filtered": 0} for i in engine.infos.values())
+    assert all(i == {"regenerated": 0, "filtered": 0, "attempts": 1} for i in engine.infos.values())
   for info in engine.infos.values():
     # Every filtered group of a completed batch was regenerated exactly once into its slot.
     assert info["filtered"] == info["regenerated"]
@@ -646,7 +646,7 @@ def test_fill_batch_regenerates_only_filtered_slots_in_place():
   assert [g["slot"] for g in groups] == [0, 1, 2, 3]
   assert [g["attempt"] for g in groups] == [0, 2, 0, 1]
   # regenerated = 2 (attempt 1) + 1 (attempt 2); filtered = every rejected group = 3.
-  assert info == {"regenerated": 3, "filtered": 3}
+  assert info == {"regenerated": 3, "filtered": 3, "attempts": 3}
 
 
 def test_fill_batch_cap_error_names_cap_batch_and_slots():

@@ -68,6 +68,15 @@ def get_config() -> ConfigDict:
   c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
   c.rollout.partial_rollouts = False  # decode across weight updates (not supported yet)
 
+  # Dynamic sampling: drop every group whose rewards do not vary (no learning signal) and keep
+  # the batch at P groups. Lag 0: whole extra generation batches fill a pending cache; lag > 0:
+  # dropped groups are re-sampled into their own slot of the ring.
+  c.dynamic_sampling = ConfigDict()
+  c.dynamic_sampling.enabled = False
+  c.dynamic_sampling.tol = 0.0  # drop a group when max(r) - min(r) <= tol over its live rows
+  c.dynamic_sampling.max_gen_batches = 10  # K: generation attempts per batch; the K-th failure raises
+  c.dynamic_sampling.reward_field = "reward"  # the per-row reward it reads: the raw task reward
+
   c.train = ConfigDict()
   c.train.steps = 500  # RL steps
   c.train.learning_rate = 1e-4
@@ -131,6 +140,14 @@ def get_config() -> ConfigDict:
   c.eval = ConfigDict()
   c.eval.every = 20  # held-out greedy eval period in RL steps (also at start and end)
   c.eval.batch_size = 1000
+
+  # Several processes (hosts), one program: every process gets the same config but its own
+  # process_id; the mesh then spans every process's devices.
+  c.distributed = ConfigDict()
+  c.distributed.coordinator_address = ""  # "host:port" of process 0; "" = a single process
+  c.distributed.num_processes = 1
+  c.distributed.process_id = 0
+  c.distributed.init_timeout_s = 300  # give up joining after this long
 
   c.mesh = ConfigDict()
   c.mesh.data = 1  # -1 on one axis: use all remaining devices

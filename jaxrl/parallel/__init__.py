@@ -1,6 +1,8 @@
-"""Meshes and shardings: a named ('data', 'fsdp', 'tensor') mesh and logical-axis rules."""
+"""Meshes and shardings: a named ('data', 'fsdp', 'tensor') mesh and logical-axis rules; several
+processes (`distributed`)."""
 
+from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import (AXES, batch_sharding, make_mesh, param_shardings,
                                      replicated)
 
-__all__ = ["AXES", "batch_sharding", "make_mesh", "param_shardings", "replicated"]
+__all__ = ["AXES", "batch_sharding", "distributed", "make_mesh", "param_shardings", "replicated"]

@@ -16,7 +16,7 @@ class RegenerationCapError(RuntimeError):
 
 
 def fill_batch(batch_id: int, num_groups: int, sample, keep, max_regenerations: int,
-               should_stop=None):
+               should_stop=None, cap_name: str = "rollout.max_regenerations", cap_value=None):
   """Fills slots 0..num_groups-1 of batch `batch_id` with groups.
 
   `sample(slots: list[int], attempt: int) -> list of groups` (one per slot, same order; it may run
@@ -24,9 +24,11 @@ def fill_batch(batch_id: int, num_groups: int, sample, keep, max_regenerations: 
   attempts 1..max_regenerations re-sample only the slots still filtered, into the same slots.
 
   Returns `(groups in slot order, {"regenerated": slot re-samples, "filtered": filtered groups
-  seen})`. Raises RegenerationCapError (naming `rollout.max_regenerations`, the batch and the
-  slots) when slots are still filtered after the last attempt, ValueError when `sample` returns
-  the wrong number of groups, and PipelineClosed if `should_stop()` turns True between attempts.
+  seen, "attempts": sample() calls})`. Raises RegenerationCapError (naming the batch, the slots
+  and `cap_name=cap_value`: the config key and value that set `max_regenerations`, by default
+  `rollout.max_regenerations` itself) when slots are still filtered after the last attempt,
+  ValueError when `sample` returns the wrong number of groups, and PipelineClosed if
+  `should_stop()` turns True between attempts.
   """
   if num_groups < 1:
     raise ValueError(f"num_groups must be >= 1, got {num_groups}")
@@ -49,12 +51,13 @@ def fill_batch(batch_id: int, num_groups: int, sample, keep, max_regenerations: 
         filtered += 1
         still.append(slot)
     if not still:
-      return groups, {"regenerated": regenerated, "filtered": filtered}
+      return groups, {"regenerated": regenerated, "filtered": filtered, "attempts": attempt + 1}
     if attempt >= max_regenerations:
       raise RegenerationCapError(
           f"batch {batch_id}: slots {still} still filtered after {attempt} regeneration(s) "
-          f"(rollout.max_regenerations={max_regenerations}); {filtered} filtered groups seen. "
-          f"Raise rollout.max_regenerations or relax the filter (e.g. dynamic sampling).")
+          f"({attempt + 1} generation attempts; {cap_name}="
+          f"{max_regenerations if cap_value is None else cap_value}); {filtered} filtered groups "
+          f"seen. Raise {cap_name} or relax the filter.")
     if should_stop is not None and should_stop():
       raise PipelineClosed(f"stopped while regenerating batch {batch_id}")
     regenerated += len(still)
