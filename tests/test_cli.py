@@ -70,7 +70,7 @@ def _tiny(sft_steps, steps, eval_every, *extra):
 def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   run_dir = tmp_path / "out"
   args = _tiny(20, 4, 2, "--config.rollout_kl.coef=0.05", f"--config.run_dir={run_dir}",
-               "--config.name=tiny")
+               "--config.name=tiny", "--config.loss.seq_logprob_error_threshold=1.5")
   elsewhere = tmp_path / "cwd"
   elsewhere.mkdir()
   proc = _train(args, elsewhere, {"JAX_LOG_COMPILES": "0"})
@@ -87,8 +87,10 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
     for key in ("reward", "loss", "grad_norm", "entropy", "perf/step_time_s", "rollout_kl",
                 "mismatch/abs_diff/max", "mismatch/token_mult_prob_error", "mismatch/gen_kl"):
       assert key in r, key
-    # Sampler and trainer log-probs agree on the rollouts actually trained on.
+    # Sampler and trainer log-probs agree on the rollouts actually trained on (read back from
+    # the data plane), so sequence masking by log-prob error drops nothing on-policy.
     assert r["mismatch/abs_diff/max"] < 1e-4
+    assert r["mismatch/num_masked_seqs"] == 0 and r["mismatch/seq_mult_prob_error/max"] < 1.001
   assert [r["step"] for r in rl if "val/accuracy" in r] == [0, 2, 4]
   assert len(summary) == 1
   s = summary[0]
