@@ -3,7 +3,7 @@
 Prints ONE JSON object on stdout (progress goes to stderr). One data-plane step is what the
 trainer does with a rollout batch of P=64 prompts x G=16 samples (1024 rows) of 1024 completion
 tokens: put the rollout fields from host numpy arrays (tokens int32, mask bool, rollout_logprobs
-float32 [rows, tokens]; policy_version int32 [rows]), get them back in placement order (the fast
+float32, policy_version int32, all [rows, tokens], as the trainer stores them), get them back in placement order (the fast
 path: the stored arrays themselves) and discard the rows. Times are host-side (the calling
 thread's wall time; transfers may still be in flight) and, separately, synced (blocked until the
 placed arrays are ready). The gather path gets 1024 rows drawn half from each of two blocks, in
@@ -53,7 +53,7 @@ def rollout_fields(rows: int, tokens: int, seed: int) -> dict[str, np.ndarray]:
   return {"tokens": rng.integers(2, 32000, (rows, tokens)).astype(np.int32),
           "mask": np.ones((rows, tokens), bool),
           "rollout_logprobs": (-rng.uniform(0.5, 4.0, (rows, tokens))).astype(np.float32),
-          "policy_version": np.full(rows, seed, np.int32)}
+          "policy_version": np.full((rows, tokens), seed, np.int32)}
 
 
 def mint(prefix: str, prompts: int, group: int, tokens: int, version: int) -> BatchMeta:
