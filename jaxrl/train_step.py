@@ -79,7 +79,8 @@ def completion_hidden(model, batch: TrainBatch) -> jax.Array:
   """Final hidden states [B, N, D] that predict each completion token."""
   lp = batch.prompt_tokens.shape[1]
   seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
-  valid = jnp.concatenate([batch.prompt_valid, batch.mask], axis=1)
+  seen = batch.mask if batch.completion_valid is None else batch.completion_valid
+  valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
   hidden, _ = model(seq, left_positions(valid), valid)
   # Position lp - 1 + j holds the state that predicts completion token j.
   return hidden[:, lp - 1 : -1]

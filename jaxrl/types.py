@@ -24,6 +24,9 @@ class TrainBatch(NamedTuple):
   rewards: jax.Array  # [B] float32
   group_id: jax.Array  # [B] int32
   temperature: jax.Array  # [B] float32 sampling temperature (logprobs use logits / T)
+  # [B, N] bool: completion tokens the model attends to, when they are more than the loss mask
+  # (multi-turn rows: environment observations are context but not trained). None = `mask`.
+  completion_valid: jax.Array | None = None
 
 
 class TrainState(NamedTuple):

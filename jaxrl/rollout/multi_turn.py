@@ -1,0 +1,267 @@
+"""The multi-turn rollout loop, shared by training and validation.
+
+Each turn: generate for every active row in one sampler call, decode the new text, then call each
+task's environment ONCE with all of its active rows (environments of different tasks run
+concurrently, each under `env_timeout_s`). Observations are appended as tokens and the next turn
+generates from the whole context. A single-turn task is the same loop stopping after turn 0.
+
+Row layout (fixed shapes, so nothing recompiles): the first user message is the left-padded
+prompt `[B, Lp]`; everything after it is the completion `[B, N]`:
+
+    prompt | gen_0 | obs_0 | gen_1 | obs_1 | ... | gen_k | pad ...
+
+`valid` marks every real completion token (what attention sees); `mask` marks only generated
+tokens (what the loss trains on), so observations are context but never trained. `logprobs` and
+`policy_version` are per token and meaningful where `mask` is set; each turn's tokens carry the
+version of the params that generated them.
+
+An episode ends when its environment says done (terminated), when the next observation or turn
+would not fit in the N-token budget, or after `max_turns` model turns (truncated). A turn that
+hits `max_new_tokens` without EOS is passed to the environment as `truncated`. An environment
+that raises or exceeds `env_timeout_s` fails its rows for this batch: they get a reason, a NaN
+reward and an all-False loss mask (so they are excluded from advantages and the loss), and the
+loop goes on with the other rows; a timed-out call is abandoned on a daemon thread.
+
+Every episode's reward is the sum of its turn rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxrl.data.tokenizer import left_pad
+from jaxrl.envs.base import StepResult, Task, Turn, call_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  max_prompt_len: int  # Lp: the first user message, left-padded to this
+  max_new_tokens: int  # per model turn
+  max_total_tokens: int  # N: the completion (all turns and observations) per row
+  max_turns: int  # model turns per episode (each environment may stop earlier)
+
+
+@dataclasses.dataclass
+class Episodes:
+  """Host arrays of B = len(tasks) * group_size rows (task-major: row = task * G + g)."""
+
+  tasks: list[Task]  # per row
+  prompt_tokens: np.ndarray  # [B, Lp] int32, left-padded
+  prompt_valid: np.ndarray  # [B, Lp] bool
+  tokens: np.ndarray  # [B, N] int32
+  valid: np.ndarray  # [B, N] bool: real tokens (generated and observations)
+  mask: np.ndarray  # [B, N] bool: generated tokens of rows that did not fail (the loss mask)
+  logprobs: np.ndarray  # [B, N] float32 sampler log-probs (0 where not generated)
+  policy_version: np.ndarray  # [B, N] int32 (0 where not generated)
+  rewards: np.ndarray  # [B] float32 episode return; NaN for failed rows
+  components: dict[str, np.ndarray]  # [B] float32 sums of named reward parts
+  turns: np.ndarray  # [B] int32 model turns taken
+  terminated: np.ndarray  # [B] bool: the environment ended the episode
+  truncated: np.ndarray  # [B] bool: the token budget or max_turns ended it
+  failed: np.ndarray  # [B] bool
+  fail_reasons: list[str | None]
+  env_calls: int  # environment step() calls made
+  env_calls_by_env: dict[str, int]
+
+  def metrics(self, prefix: str = "") -> dict[str, float]:
+    """Turn and outcome statistics over all rows."""
+    n = max(len(self.tasks), 1)
+    out = {
+        f"{prefix}turns/mean": float(self.turns.mean()) if self.turns.size else 0.0,
+        f"{prefix}turns/max": float(self.turns.max()) if self.turns.size else 0.0,
+        f"{prefix}terminated_frac": float(self.terminated.sum()) / n,
+        f"{prefix}truncated_frac": float(self.truncated.sum()) / n,
+        f"{prefix}failed_frac": float(self.failed.sum()) / n,
+        f"{prefix}env_calls": float(self.env_calls),
+    }
+    reasons: dict[str, int] = {}
+    for r in self.fail_reasons:
+      if r is not None:
+        kind = r.split(":", 1)[0]
+        reasons[kind] = reasons.get(kind, 0) + 1
+    for kind, count in reasons.items():
+      out[f"{prefix}failed/{kind}"] = float(count)
+    return out
+
+
+class EnvTimeout(RuntimeError):
+  pass
+
+
+def _call_all(calls: dict[str, tuple[object, list[Turn]]], timeout_s: float
+              ) -> dict[str, StepResult | BaseException]:
+  """Runs each environment's step on its own daemon thread; waits at most `timeout_s` for all.
+
+  A call still running at the deadline is reported as EnvTimeout and abandoned (a thread cannot
+  be killed; it is a daemon so it never blocks exit).
+  """
+  cond = threading.Condition()
+  results: dict[str, StepResult | BaseException] = {}
+
+  def run(name, env, turns):
+    try:
+      res: StepResult | BaseException = call_step(env, turns)
+    except BaseException as e:  # noqa: BLE001 - reported as the rows' failure reason
+      res = e
+    with cond:
+      results[name] = res
+      cond.notify_all()
+
+  for name, (env, turns) in calls.items():
+    threading.Thread(target=run, args=(name, env, turns), daemon=True,
+                     name=f"jaxrl-env-{name}").start()
+  deadline = time.monotonic() + timeout_s
+  with cond:
+    while len(results) < len(calls):
+      left = deadline - time.monotonic()
+      if left <= 0:
+        break
+      cond.wait(min(left, 0.05))
+    done = dict(results)
+  for name in calls:
+    if name not in done:
+      done[name] = EnvTimeout(f"no result within env.timeout_s={timeout_s:g}")
+  return done
+
+
+class MultiTurn:
+  """Runs episodes for a list of tasks, G samples each (see the module docstring).
+
+  `sample_first(params, prompts [P, Lp], valid, key, request_ids [P*G], T, top_k, top_p)` is a
+  sampler with G samples per prompt (turn 0 shares one prefill per task);
+  `sample_next(params, contexts [B, Lp + N], valid, key, request_ids [B], ...)` one with a single
+  sample per row (later turns, every row its own context). `fetch` copies sampler outputs to the
+  host (multi-process safe).
+  """
+
+  def __init__(self, tokenizer, envs: Mapping[str, object], budget: Budget, group_size: int,
+               sample_first: Callable, sample_next: Callable | None, fetch: Callable,
+               env_timeout_s: float):
+    self.tok, self.envs, self.budget, self.G = tokenizer, dict(envs), budget, group_size
+    self.sample_first, self.sample_next, self.fetch = sample_first, sample_next, fetch
+    self.env_timeout_s = env_timeout_s
+
+  def max_turns(self, task: Task) -> int:
+    return max(1, min(self.budget.max_turns, int(getattr(self.envs[task.env], "max_turns", 1))))
+
+  def run(self, params, tasks: Sequence[Task], key, request_base: int, version: int,
+          temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
+    import jax  # the loop itself is host code; jax only for keys
+
+    b = self.budget
+    G, N, Lp = self.G, b.max_total_tokens, b.max_prompt_len
+    tasks = list(tasks)
+    unknown = sorted({t.env for t in tasks} - set(self.envs))
+    if unknown:
+      raise KeyError(f"tasks name environments {unknown} that this run did not build; it has "
+                     f"{sorted(self.envs)}")
+    rows = [t for t in tasks for _ in range(G)]
+    B = len(rows)
+    pad = self.tok.pad_id
+    encoded = [self.tok.encode(t.prompt) for t in tasks]
+    too_long = [(t.uid, len(e)) for t, e in zip(tasks, encoded) if len(e) > Lp]
+    if too_long:
+      raise ValueError(f"prompts longer than rollout.max_prompt_len={Lp}: {too_long[:5]}")
+    prompts, pvalid = left_pad(encoded, Lp, pad)
+    prompt_ids = [encoded[i // G] for i in range(B)]
+
+    tokens = np.full((B, N), pad, np.int32)
+    valid = np.zeros((B, N), bool)
+    gen = np.zeros((B, N), bool)
+    logprobs = np.zeros((B, N), np.float32)
+    pversion = np.zeros((B, N), np.int32)
+    length = np.zeros(B, np.int64)
+    rewards = np.zeros(B, np.float64)
+    components: dict[str, np.ndarray] = {}
+    turns = np.zeros(B, np.int32)
+    terminated = np.zeros(B, bool)
+    truncated = np.zeros(B, bool)
+    failed = np.zeros(B, bool)
+    reasons: list[str | None] = [None] * B
+    history: list[list[tuple[str, str]]] = [[("user", r.prompt)] for r in rows]
+    active = np.ones(B, bool)
+    limit = np.array([self.max_turns(r) for r in rows])
+    calls_by_env: dict[str, int] = {}
+    request_ids = np.arange(B) + request_base
+
+    turn = 0
+    while active.any():
+      tkey = key if turn == 0 else jax.random.fold_in(key, 1_000_003 + turn)
+      if turn == 0:
+        out = self.sample_first(params, prompts, pvalid, tkey, request_ids, temperature, top_k,
+                                top_p)
+      else:
+        seqs = [prompt_ids[i] + tokens[i, :length[i]].tolist() for i in range(B)]
+        ctx, cvalid = left_pad(seqs, Lp + N, pad)
+        out = self.sample_next(params, ctx, cvalid, tkey, request_ids, temperature, top_k, top_p)
+      o_tokens, o_mask, o_lps = self.fetch((out.tokens, out.mask, out.logprobs))
+
+      calls: dict[str, tuple[object, list[Turn]]] = {}
+      where: dict[str, list[int]] = {}
+      for i in np.flatnonzero(active):
+        new = o_tokens[i][o_mask[i]]
+        room = N - length[i]
+        ended_eos = len(new) > 0 and new[-1] == self.tok.eos_id
+        cut = len(new) > room
+        new = new[:room]
+        lp = o_lps[i][o_mask[i]][:len(new)]
+        s = slice(length[i], length[i] + len(new))
+        tokens[i, s], valid[i, s], gen[i, s] = new, True, True
+        logprobs[i, s], pversion[i, s] = lp, version
+        length[i] += len(new)
+        turns[i] += 1
+        text = self.tok.decode([t for t in new if t != self.tok.eos_id])
+        row = rows[i]
+        calls.setdefault(row.env, (self.envs[row.env], []))[1].append(
+            Turn(task=row, turn=turn, response=text, truncated=bool(cut or not ended_eos),
+                 history=tuple(history[i])))
+        where.setdefault(row.env, []).append(int(i))
+        history[i].append(("assistant", text))
+        if cut:
+          truncated[i] = True  # the sequence budget ended this turn
+
+      results = _call_all(calls, self.env_timeout_s)
+      for name, res in results.items():
+        calls_by_env[name] = calls_by_env.get(name, 0) + 1
+        idx = where[name]
+        if isinstance(res, BaseException):
+          why = "timeout" if isinstance(res, EnvTimeout) else "error"
+          for i in idx:
+            failed[i], active[i] = True, False
+            reasons[i] = f"{why}: env {name!r} turn {turn}: {type(res).__name__}: {res}"
+          continue
+        for j, i in enumerate(idx):
+          rewards[i] += float(res.rewards[j])
+          for c, v in res.components.items():
+            components.setdefault(c, np.zeros(B, np.float64))[i] += float(v[j])
+          if res.done[j]:
+            terminated[i], active[i] = True, False
+            continue
+          if truncated[i] or turns[i] >= limit[i]:
+            truncated[i], active[i] = True, False
+            continue
+          obs = self.tok.encode(res.observations[j])
+          history[i].append(("user", res.observations[j]))
+          if length[i] + len(obs) + 1 > N:  # no room for the observation and a next token
+            truncated[i], active[i] = True, False
+            continue
+          s = slice(length[i], length[i] + len(obs))
+          tokens[i, s], valid[i, s] = obs, True
+          length[i] += len(obs)
+      turn += 1
+
+    mask = gen & ~failed[:, None]
+    rewards = rewards.astype(np.float32)
+    rewards[failed] = np.nan
+    return Episodes(
+        tasks=rows, prompt_tokens=np.repeat(prompts, G, 0), prompt_valid=np.repeat(pvalid, G, 0),
+        tokens=tokens, valid=valid, mask=mask, logprobs=logprobs, policy_version=pversion,
+        rewards=rewards, components={k: v.astype(np.float32) for k, v in components.items()},
+        turns=turns, terminated=terminated, truncated=truncated & ~terminated, failed=failed,
+        fail_reasons=reasons, env_calls=sum(calls_by_env.values()),
+        env_calls_by_env=calls_by_env)
