@@ -3,6 +3,9 @@
 Prompt `"07+35="`, answer `"42"` then EOS. Operands are zero-padded to `num_digits`, so every
 prompt has the same length. All (a, b) pairs are permuted once with the task seed and cut into
 `val` (held out, reported), `dev` (used only by the warm-up stopping rule) and `train`.
+
+`AdditionTask` is the trainer's single-turn task; `AddSource` and `AddEnvironment` serve the same
+problems as `Task` rows through the environment protocol (`jaxrl.envs.base`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl.data.sources import unknown_split
 from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
+from jaxrl.envs.registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +80,45 @@ class AdditionTask:
   def demonstration(self, p: Problem) -> list[int]:
     """Completion tokens for supervised warm-up: the answer then EOS."""
     return self.tokenizer.encode(p.answer) + [self.tokenizer.eos_id]
+
+
+class AddSource:
+  """`add` problems as `Task` rows: the splits of `AdditionTask` (same seed, same split)."""
+
+  def __init__(self, num_digits: int = 2, seed: int = 0, dev_size: int = 1000,
+               val_size: int = 1000, name: str = "add"):
+    self.task = AdditionTask(num_digits=num_digits, seed=seed, dev_size=dev_size,
+                             val_size=val_size)
+    self.name = name
+    self.alphabet = self.task.tokenizer.alphabet
+
+  def _row(self, split: str, i: int) -> Task:
+    p = self.task.problem(self.task._splits[split][i])
+    return Task(env="add", prompt=p.prompt, data={"answer": p.answer},
+                uid=f"{self.name}/{split}/{i}")
+
+  def split(self, name: str) -> list[Task]:
+    if name not in self.task._splits:
+      raise unknown_split(self.name, name, list(self.task._splits))
+    return [self._row(name, i) for i in range(len(self.task._splits[name]))]
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+    """n training rows drawn with replacement (deterministic given rng)."""
+    idx = rng.integers(len(self.task._splits["train"]), size=n)
+    return [self._row("train", int(i)) for i in idx]
+
+
+@register("add")
+class AddEnvironment:
+  """Single turn: reward 1.0 iff the stripped response is the answer and the turn ended by EOS.
+
+  Same rule as `AdditionTask.rewards`, on decoded text: a response cut off by the token budget
+  scores 0 even if its text happens to be right.
+  """
+  name = "add"
+  max_turns = 1
+
+  def step(self, turns: Sequence[Turn]) -> StepResult:
+    correct = [float(not t.truncated and t.response.strip() == t.task.data["answer"])
+               for t in turns]
+    return single_turn_result(correct, {"correct": correct})

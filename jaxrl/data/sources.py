@@ -1,0 +1,102 @@
+"""Task sources: where the rows (`jaxrl.envs.Task`) that the rollout loop prompts with come from.
+
+A source owns fixed train/val splits and samples training rows with replacement from a numpy
+Generator, so a run's prompt stream is a pure function of its seed (resume and multi-process
+runs replay it exactly). Each source also states its `alphabet`, the characters its prompts,
+answers and observations can contain, so a character tokenizer can be built for a tiny model
+without reading the whole dataset twice.
+
+`MixedSource` draws, per row, which source a training row comes from (by weight); every row keeps
+its own `Task.env`, so one batch can hold rows of several environments and the loop routes each
+to its own grader.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:  # only for annotations: environment modules import this module
+  from jaxrl.envs.base import Task
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+  name: str
+  alphabet: str
+
+  def split(self, name: str) -> list[Task]:
+    """All rows of split `name` ("train" or "val"), in a fixed order."""
+    ...
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+    """n training rows drawn with replacement (deterministic given rng)."""
+    ...
+
+
+def alphabet_of(texts: Iterable[str], base: str = "") -> str:
+  """The characters of `base` then those first seen in `texts`, each once, in a stable order.
+
+  Order matters: a character tokenizer's ids follow it, so the same data must give the same
+  alphabet (sorted, not set order).
+  """
+  seen = dict.fromkeys(base)
+  extra = set()
+  for t in texts:
+    extra.update(t)
+  for ch in sorted(extra):
+    seen.setdefault(ch, None)
+  return "".join(seen)
+
+
+def unknown_split(source: str, name: str, known: Sequence[str]) -> KeyError:
+  return KeyError(f"source {source!r} has no split {name!r}; known: {list(known)}")
+
+
+class MixedSource:
+  """Rows of several sources: per training row a source drawn by weight, then a row of it.
+
+  `split(name)` is every row of every source's split, shuffled once with `seed`: a validation
+  capped at its first k rows then still covers each source in proportion to its size. Weights
+  only shape training draws; a zero weight keeps a source in validation but out of training.
+  """
+
+  def __init__(self, sources: Sequence[TaskSource], weights: Sequence[float] | None = None,
+               seed: int = 0):
+    sources = list(sources)
+    if not sources:
+      raise ValueError("MixedSource needs at least one source")
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+      raise ValueError(f"MixedSource sources must have distinct names (uids are prefixed by "
+                       f"them): {names}")
+    w = np.ones(len(sources)) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (len(sources),):
+      raise ValueError(f"MixedSource: {w.size} weights for {len(sources)} sources")
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+      raise ValueError(f"MixedSource weights must be finite, >= 0 and not all 0: {list(w)}")
+    self.sources = sources
+    self.weights = w / w.sum()
+    self.seed = seed
+    self.name = "+".join(names)
+    self.alphabet = alphabet_of((), "".join(s.alphabet for s in sources))
+    self._splits: dict[str, list[Task]] = {}
+
+  def split(self, name: str) -> list[Task]:
+    if name not in self._splits:
+      rows = [t for s in self.sources for t in s.split(name)]
+      order = np.random.default_rng(self.seed).permutation(len(rows))
+      self._splits[name] = [rows[i] for i in order]
+    return list(self._splits[name])
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+    """Per row a source index drawn by weight, then each source samples its rows in one call."""
+    which = rng.choice(len(self.sources), size=n, p=self.weights)
+    out: list[Task | None] = [None] * n
+    for k, source in enumerate(self.sources):
+      rows = np.flatnonzero(which == k)
+      if rows.size:
+        for i, task in zip(rows, source.sample(rng, int(rows.size))):
+          out[i] = task
+    return out  # type: ignore[return-value]
