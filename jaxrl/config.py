@@ -156,8 +156,14 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("ref_kl.coef", _ge(0)),
     ("ref_kl.estimator", _one_of(set(KL_ESTIMATORS))),
     ("ref_kl.reduction", _one_of(set(KL_REDUCTIONS))),
-    ("eval.every", _ge(1)),
-    ("eval.batch_size", _ge(1)),
+    ("val.every", _ge(1)),
+    ("val.batch_size", _ge(1)),
+    ("val.samples_per_prompt", _ge(1)),
+    ("val.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
+    ("val.max_wait_s", _gt(0)),
+    ("env.timeout_s", _gt(0)),
+    ("rollout.max_turns", _ge(1)),
+    ("rollout.max_total_tokens", _ge(0)),
     *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in _MESH_AXES),
     *_DISTRIBUTED_RULES,
 ]
@@ -425,11 +431,21 @@ def validate(cfg: ConfigDict, num_devices: int,
           f"{_PREFIX}train.num_microbatches = {p * g} / {m} = {p * g // m}) must be divisible "
           f"by {batch_shards} = {mesh.data * mesh.fsdp}, since the batch axis is sharded "
           "over both")
-  for key in ("sft.batch_size", "eval.batch_size"):
+  for key in ("sft.batch_size", "val.batch_size"):
     if mesh and have(key) and good[key] % (mesh.data * mesh.fsdp):
       problems.append(
           f"{_PREFIX}{key}: must be divisible by {batch_shards} = {mesh.data * mesh.fsdp} "
           f"(the batch axis is sharded over both), got {good[key]}")
+  if have("val.samples_per_prompt", "val.temperature") and good["val.samples_per_prompt"] > 1 \
+      and good["val.temperature"] == 0:
+    problems.append(
+        f"{_PREFIX}val.temperature: must be > 0 with {_PREFIX}val.samples_per_prompt = "
+        f"{good['val.samples_per_prompt']} (greedy samples of one prompt are all the same)")
+  if have("rollout.max_total_tokens", "rollout.max_new_tokens") and \
+      0 < good["rollout.max_total_tokens"] < good["rollout.max_new_tokens"]:
+    problems.append(
+        f"{_PREFIX}rollout.max_total_tokens: must be 0 or >= {_PREFIX}rollout.max_new_tokens = "
+        f"{good['rollout.max_new_tokens']}, got {good['rollout.max_total_tokens']}")
 
   _check_loss(good, problems)
   _check_distributed(good, problems)

@@ -92,11 +92,13 @@ def write_chart(path: str, rows: list[dict], title: str) -> None:
   """Reward per RL step and held-out accuracy per evaluation, on one 0..1 axis."""
   rl = [r for r in rows if r.get("phase") == "rl"]
   reward = [(r["step"], r["reward"]) for r in rl if r.get("reward") is not None]
-  acc = [(r["step"], r["val/accuracy"]) for r in rl if r.get("val/accuracy") is not None]
+  # Validation rows are written when a pass finishes, under the step whose params it used.
+  acc = sorted((r["step"], r["val/accuracy"]) for r in rows
+               if r.get("phase") == "val" and r.get("val/accuracy") is not None)
   series = [
       plotting.Series("sampled reward", [s for s, _ in reward], [v for _, v in reward],
                       (70, 130, 200)),
-      plotting.Series("val accuracy (greedy)", [s for s, _ in acc], [v for _, v in acc],
+      plotting.Series("val accuracy", [s for s, _ in acc], [v for _, v in acc],
                       (215, 90, 40)),
   ]
   plotting.line_chart_png(path, series, title=title, x_label="RL step", y_range=(0.0, 1.0))

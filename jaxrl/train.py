@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   import jax  # after flag parsing, so --help and bad flags never initialise a backend
 
-  from jaxrl import envs, parallel, trainer
+  from jaxrl import parallel, trainer
 
   try:
     problems: list[str] = []
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
     settings = config_lib.distributed_settings(cfg)
     if settings is not None:  # else validate() names the bad keys along with any others
       parallel.distributed.initialize(*settings)
-    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=envs.TASKS,
+    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES,
                                      problems=problems)
   except config_lib.ConfigError as e:
     sys.exit(f"jaxrl: invalid config\n{e}")

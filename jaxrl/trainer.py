@@ -32,15 +32,39 @@ from jaxrl import losses
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.data import left_pad
-from jaxrl.envs import TASKS
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make_env
 from jaxrl.models import ModelConfig, init_model
 from jaxrl.pipeline import (BatchMeta, DataPlane, LagGate, ParamsHandoff, RolloutWorker,
                             balance_rows, dynamic_sampling, fill_batch)
 from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
+from jaxrl.pipeline.validator import Validator
+from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.sampler import make_sampler
 from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
 from jaxrl.types import TrainBatch
+
+
+TASK_NAMES = ("add", "countdown", "guess", "math")
+
+
+def make_source(cfg):
+  """The task source named by `task.name` (rows for training and validation)."""
+  t = cfg.task
+  if t.name == "add":
+    return AddSource(num_digits=t.num_digits, seed=cfg.seed, dev_size=t.dev_size,
+                     val_size=t.val_size)
+  if t.name == "countdown":
+    return CountdownSource(seed=cfg.seed, val_size=t.val_size)
+  if t.name == "guess":
+    return GuessSource(seed=cfg.seed)
+  if t.name == "math":
+    if not t.path:
+      raise config_lib.ConfigError(["config.task.path: task 'math' needs a JSONL file of "
+                                    "{\"question\", \"answer\"} rows"])
+    return MathSource.from_jsonl(t.path, seed=cfg.seed)
+  raise config_lib.ConfigError([f"config.task.name: unknown task {t.name!r}"])
 
 
 class Parts:
@@ -48,17 +72,23 @@ class Parts:
 
   def __init__(self, cfg: ConfigDict, mesh_shape: config_lib.MeshShape):
     self.cfg = cfg
-    self.task = TASKS[cfg.task.name](num_digits=cfg.task.num_digits, seed=cfg.seed,
-                                     dev_size=cfg.task.dev_size, val_size=cfg.task.val_size)
-    self.tok = self.task.tokenizer
+    r = cfg.rollout
+    self.source = make_source(cfg)
+    # The arithmetic task keeps its demonstrations (warm-up) and `dev` split (warm-up stop rule).
+    self.task = getattr(self.source, "task", None)
+    self.tok = CharTokenizer(self.source.alphabet)
+    self.envs = {cfg.task.name: make_env(cfg.task.name)}
     problems = []
-    if self.task.max_answer_tokens > cfg.rollout.max_new_tokens:
+    if self.task is not None and self.task.max_answer_tokens > r.max_new_tokens:
       problems.append(f"config.rollout.max_new_tokens: task {cfg.task.name!r} answers need up to "
-                      f"{self.task.max_answer_tokens} tokens, got {cfg.rollout.max_new_tokens}")
-    prompt_len = len(self.tok.encode(self.task.problem(0).prompt))
-    if prompt_len > cfg.rollout.max_prompt_len:
-      problems.append(f"config.rollout.max_prompt_len: task {cfg.task.name!r} prompts have "
-                      f"{prompt_len} tokens, got {cfg.rollout.max_prompt_len}")
+                      f"{self.task.max_answer_tokens} tokens, got {r.max_new_tokens}")
+    longest = max(len(self.tok.encode(x.prompt)) for x in self.source.split("val"))
+    if longest > r.max_prompt_len:
+      problems.append(f"config.rollout.max_prompt_len: task {cfg.task.name!r} prompts have up to "
+                      f"{longest} tokens, got {r.max_prompt_len}")
+    if cfg.sft.enabled and cfg.sft.max_steps and self.task is None:
+      problems.append(f"config.sft.enabled: task {cfg.task.name!r} has no demonstrations for the "
+                      "supervised warm-up; set it to false")
     if cfg.model.vocab_size and cfg.model.vocab_size < self.tok.vocab_size:
       problems.append(f"config.model.vocab_size: the tokenizer needs {self.tok.vocab_size}, got "
                       f"{cfg.model.vocab_size}")
@@ -71,12 +101,22 @@ class Parts:
     self.params = shard_params(params, self.mesh)
     # Rollout rows of partitions `train` and `val`: metadata here, arrays on the mesh.
     self.data = DataPlane(self.mesh)
-    self._evals = 0
+    self._passes = 0
 
-    r = cfg.rollout
     common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
     self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
-    self.sample_greedy = make_sampler(self.graphdef, num_samples=1, **common)
+    # Later turns: every row continues its own context (compiled only if a task has them).
+    sample_next = make_sampler(self.graphdef, num_samples=1, **common)
+    self.sample_val = make_sampler(self.graphdef, num_samples=cfg.val.samples_per_prompt,
+                                   **common)
+    self.budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                         max_total_tokens=r.max_total_tokens or r.max_new_tokens,
+                         max_turns=r.max_turns)
+    fetch = parallel.distributed.fetch
+    self.loop = MultiTurn(self.tok, self.envs, self.budget, r.group_size, self.sample,
+                          sample_next, fetch, cfg.env.timeout_s)
+    self.val_loop = MultiTurn(self.tok, self.envs, self.budget, cfg.val.samples_per_prompt,
+                              self.sample_val, sample_next, fetch, cfg.env.timeout_s)
 
   # ---- batches -------------------------------------------------------------------------------
 
@@ -98,32 +138,53 @@ class Parts:
                       np.zeros(b, np.float32), np.arange(b, dtype=np.int32),
                       np.ones(b, np.float32))
 
-  def evaluate(self, params, problems) -> float:
-    """Greedy exact-match accuracy over `problems`.
+  def validate(self, params, split: str = "val") -> dict:
+    """One validation pass over a split, through the training loop's multi-turn rollouts.
 
-    The rollouts go through partition `val` of the data plane (rows keyed per pass, rewards as
-    tags) and the partition is cleared after the pass. The last chunk is padded by repetition to
-    keep one shape; padding rows carry a NaN reward and count for nothing.
+    `val.samples_per_prompt = k` samples per prompt at `val.temperature` (0 = greedy). A row is
+    solved when its episode reward is >= 1 (every built-in environment gives 1 for a solved
+    task). Metrics: `val/accuracy` (solved rows), `val/pass@k` (prompts with a solved sample),
+    `val/reward`, `val/avg_length` (generated tokens per row), turn and outcome statistics and
+    `val/env_calls`. Rows go through partition `val` of the data plane and are freed after the
+    pass. The last chunk of prompts is padded by repetition to keep one shape; padding rows
+    count for nothing.
     """
-    bs = self.cfg.eval.batch_size
-    self._evals += 1
-    metas = []
+    v = self.cfg.val
+    tasks = self.source.split(split)
+    bs, k = v.batch_size, v.samples_per_prompt
+    self._passes += 1
+    metas, eps = [], []
     try:
-      for start in range(0, len(problems), bs):
-        chunk = problems[start:start + bs]
+      for start in range(0, len(tasks), bs):
+        chunk = tasks[start:start + bs]
         padded = chunk + [chunk[-1]] * (bs - len(chunk))
-        prompts, valid = self.prompts(padded)
-        out = self.sample_greedy(params, prompts, valid, jax.random.key(0), np.arange(bs), 0.0)
-        tokens, mask = parallel.distributed.fetch((out.tokens, out.mask))
-        reward = np.full(bs, np.nan, np.float32)
-        reward[:len(chunk)] = self.task.rewards(chunk, tokens[:len(chunk)], mask[:len(chunk)])
-        meta = BatchMeta.mint("val", f"e{self._evals}/{start}", group_ids=start + np.arange(bs),
-                              lengths=mask.sum(1), versions=np.zeros(bs), tags={"reward": reward})
-        metas.append(self.data.put(meta, {"tokens": tokens, "mask": mask}))
+        ep = self.val_loop.run(params, padded, jax.random.key(self.cfg.seed), request_base=0,
+                               version=0, temperature=v.temperature)
+        real = np.arange(bs * k) < len(chunk) * k
+        meta = BatchMeta.mint("val", f"v{self._passes}/{start}",
+                              group_ids=start + np.arange(bs * k) // k, lengths=ep.mask.sum(1),
+                              versions=np.zeros(bs * k),
+                              tags={"reward": ep.rewards, "real": real.astype(np.float32)})
+        metas.append(self.data.put(meta, {"tokens": ep.tokens, "mask": ep.mask,
+                                          "completion_valid": ep.valid}))
+        eps.append((ep, real))
       rewards = np.concatenate([m.tags["reward"] for m in metas])
-      return float(np.nansum(rewards)) / len(problems)
+      real = np.concatenate([m.tags["real"] for m in metas]) > 0
+      lengths = np.concatenate([m.lengths for m in metas])
+      solved = (np.nan_to_num(rewards, nan=0.0) >= 1.0 - 1e-6)[real].reshape(-1, k)
+      out = {"val/accuracy": float(solved.mean()), f"val/pass@{k}": float(solved.any(1).mean()),
+             "val/reward": float(np.nanmean(rewards[real])) if np.isfinite(rewards[real]).any()
+             else float("nan"),
+             "val/avg_length": float(lengths[real].mean())}
+      turns = np.concatenate([e.turns[m] for e, m in eps])
+      out["val/turns/mean"] = float(turns.mean())
+      for key in ("terminated", "truncated", "failed"):
+        out[f"val/{key}_frac"] = float(np.concatenate([getattr(e, key)[m] for e, m in eps]).mean())
+      out["val/env_calls"] = float(sum(e.env_calls for e, _ in eps))
+      return out
     finally:
-      self.data.clear("val")
+      for m in metas:
+        self.data.discard(m)
 
 
 def _logprob_impl(cfg) -> str | None:
@@ -167,7 +228,6 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   rng = np.random.default_rng([parts.cfg.seed, 1])
-  dev = parts.task.split("dev")
   timer = metrics_lib.Timer()
   acc, steps = 0.0, 0
   progress.say(f"warm-up: supervised steps until dev accuracy >= {cfg.stop_accuracy}")
@@ -176,7 +236,7 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
     state, m = step_fn(state, to_rows(batch, parts.mesh))
     row = {"phase": "sft", "step": steps, "sft/loss": m["loss"]}
     if steps % cfg.eval_every == 0:
-      acc = parts.evaluate(state.params, dev)
+      acc = parts.validate(state.params, "dev")["val/accuracy"]
       row["sft/dev_accuracy"] = acc
       progress.update(steps, cfg.max_steps, f"loss {float(m['loss']):.3f} | dev accuracy {acc:.3f}"
                       f" | {timer():.0f} s", force=False)
@@ -196,6 +256,10 @@ def _train_fields(cfg) -> tuple[str, ...]:
   return tuple(f for f in TrainBatch._fields if f != "rollout_logprobs" or cfg.rollout.logprobs)
 
 
+# Per-row outcome arrays of an episode batch that stay on the host (tags), not device fields.
+_HOST_ROWS = ("turns", "terminated", "truncated", "failed")
+
+
 class Rollouts:
   """The rollout side of RL, run by the worker thread: sample, score, filter, store.
 
@@ -212,38 +276,44 @@ class Rollouts:
     self.key = jax.random.key(cfg.seed)
     self.next_group = 0
 
-  def _sample(self, params, problems, key, request_base: int) -> dict:
-    """All P x G samples for `problems` (P of them): host arrays, rows in group order."""
-    p, r, G = self.parts, self.r, self.r.group_size
-    prompts, valid = p.prompts(problems)
-    out = p.sample(params, prompts, valid, key, np.arange(len(problems) * G) + request_base,
-                   r.temperature, r.top_k, r.top_p)
-    tokens, mask, logprobs = parallel.distributed.fetch((out.tokens, out.mask, out.logprobs))
-    rows = [q for q in problems for _ in range(G)]
-    return dict(prompt_tokens=np.repeat(prompts, G, 0), prompt_valid=np.repeat(valid, G, 0),
-                tokens=tokens, mask=mask, rollout_logprobs=logprobs,
-                rewards=p.task.rewards(rows, tokens, mask).astype(np.float32))
+  def _sample(self, params, tasks, key, request_base: int, version: int, info: dict) -> dict:
+    """Episodes of G samples for each of `tasks`: per-row host arrays, rows in group order."""
+    r = self.r
+    ep = self.parts.loop.run(params, tasks, key, request_base, version, r.temperature, r.top_k,
+                             r.top_p)
+    info["env/calls"] = info.get("env/calls", 0) + ep.env_calls
+    for reason in ep.fail_reasons:
+      if reason is not None:
+        k = f"env/failed/{reason.split(':', 1)[0]}"
+        info[k] = info.get(k, 0) + 1
+    return dict(prompt_tokens=ep.prompt_tokens, prompt_valid=ep.prompt_valid, tokens=ep.tokens,
+                mask=ep.mask, completion_valid=ep.valid, rollout_logprobs=ep.logprobs,
+                policy_version=ep.policy_version, rewards=ep.rewards, turns=ep.turns,
+                terminated=ep.terminated, truncated=ep.truncated, failed=ep.failed)
 
-  def _store(self, prefix: str, rows: dict, version: int, place: bool) -> BatchMeta:
+  def _store(self, prefix: str, rows: dict, place: bool) -> BatchMeta:
     """Mints keys for `rows`, puts them in the data plane; returns their metadata.
 
     With `place`, rows are first put in length-balanced data-shard order (so the trainer's read
-    is the stored arrays themselves); otherwise in generation order.
+    is the stored arrays themselves); otherwise in generation order. The raw reward (NaN for a
+    failed row) is the host tag dynamic sampling and metrics read; the device field has 0 there
+    (the row is out of the loss and the advantages anyway: its loss mask is empty).
     """
     dp, G = self.parts.data, self.r.group_size
     n = len(rows["rewards"])
     groups = self.next_group + np.arange(n // G)
     self.next_group += n // G
     mask = rows["mask"]
-    policy_version = np.full(mask.shape, version, np.int32)
-    versions = row_versions(policy_version, mask)
+    versions = row_versions(rows["policy_version"], mask)
     meta = BatchMeta.mint(
         "train", prefix, group_ids=np.repeat(groups, G), lengths=mask.sum(1),
-        versions=np.full(n, version), tags={"reward": rows["rewards"],
-                                            **{f"version/{k}": v for k, v in versions.items()}})
-    arrays = dict(rows, group_id=np.repeat(groups, G).astype(np.int32),
-                  temperature=np.full(n, self.r.temperature, np.float32),
-                  policy_version=policy_version)
+        versions=np.nan_to_num(versions["first"]).astype(np.int64),
+        tags={"reward": rows["rewards"], **{k: rows[k].astype(np.float32) for k in _HOST_ROWS},
+              **{f"version/{k}": v for k, v in versions.items()}})
+    arrays = {k: v for k, v in rows.items() if k not in _HOST_ROWS}
+    arrays.update(rewards=np.nan_to_num(rows["rewards"], nan=0.0).astype(np.float32),
+                  group_id=np.repeat(groups, G).astype(np.int32),
+                  temperature=np.full(n, self.r.temperature, np.float32))
     if not self.r.logprobs:
       del arrays["rollout_logprobs"]
     if place:
@@ -258,19 +328,21 @@ class Rollouts:
     r, ds, P, G = self.r, self.ds, self.r.num_prompts, self.r.group_size
     step = batch_id + 1
     key = jax.random.fold_in(self.key, step)
-    problems = self.parts.task.sample(self.rng, P)
-    info = {}
+    source = self.parts.source
+    tasks = source.sample(self.rng, P)
+    info: dict = {}
     if ds.enabled and r.lag == 0:
       # Synchronous: whole generation batches into a pending cache until P groups are ready.
       def generate(attempt):
-        probs = problems if attempt == 1 else self.parts.task.sample(self.rng, P)
+        batch = tasks if attempt == 1 else source.sample(self.rng, P)
         k = key if attempt == 1 else jax.random.fold_in(key, attempt)
-        rows = self._sample(params, probs, k, step * P * G)
-        return self._store(f"b{batch_id}/g{attempt}", rows, version, place=False)
+        rows = self._sample(params, batch, k, step * P * G, version, info)
+        return self._store(f"b{batch_id}/g{attempt}", rows, place=False)
 
-      meta, info = dynamic_sampling.fill_from_generations(
+      meta, ds_info = dynamic_sampling.fill_from_generations(
           generate, num_groups=P, max_gen_batches=ds.max_gen_batches, tol=ds.tol,
           reward_field=ds.reward_field, discard=self.parts.data.discard)
+      info.update(ds_info)
       perm, _ = balance_rows(meta.lengths, self.parts.data.num_row_shards())
       meta = meta.subset(perm)
       self.gate.add("filtered", info["dynamic_sampling/dropped_groups"])
@@ -283,9 +355,9 @@ class Rollouts:
         k = key
         if attempt:
           for s in slots:
-            problems[s] = self.parts.task.sample(self.rng, 1)[0]
+            tasks[s] = source.sample(self.rng, 1)[0]
           k = jax.random.fold_in(key, attempt)
-        rows = self._sample(params, problems, k, step * P * G)
+        rows = self._sample(params, tasks, k, step * P * G, version, info)
         return [{f: v[s * G:(s + 1) * G] for f, v in rows.items()} for s in slots]
 
       def keep(group):
@@ -302,13 +374,14 @@ class Rollouts:
       for name in ("regenerated", "filtered"):  # reported by the gate as pipeline/<name>
         self.gate.add(name, counts[name])
       rows = {f: np.concatenate([g[f] for g in groups]) for f in groups[0]}
-      meta = self._store(f"b{batch_id}", rows, version, place=True)
+      meta = self._store(f"b{batch_id}", rows, place=True)
       if ds.enabled:
-        info = {"reward": float(np.mean(np.concatenate(seen))),
-                "filtered_reward": float(np.mean(rows["rewards"])),
-                "dynamic_sampling/num_gen_batches": counts["attempts"],
-                "dynamic_sampling/dropped_groups": counts["filtered"],
-                "dynamic_sampling/discarded_valid_samples": 0}
+        seen_all = np.concatenate(seen)
+        info.update({"reward": float(np.nanmean(seen_all)),
+                     "filtered_reward": float(np.nanmean(rows["rewards"])),
+                     "dynamic_sampling/num_gen_batches": counts["attempts"],
+                     "dynamic_sampling/dropped_groups": counts["filtered"],
+                     "dynamic_sampling/discarded_valid_samples": 0})
     return {"meta": meta, "submit_version": version, "sample_time_s": st(), "info": info}
 
 
@@ -318,31 +391,43 @@ _REWARD_ARRAY = {"reward": "rewards"}
 
 def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
   cfg = parts.cfg
-  r, t = cfg.rollout, cfg.train
+  r, t, v = cfg.rollout, cfg.train, cfg.val
   P, G = r.num_prompts, r.group_size
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
   step_cfg = rl_step_config(cfg)
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
-  val = parts.task.split("val")
   L = r.lag
   fields = _train_fields(cfg)
+  # Several processes must launch computations in the same order: validation runs inline there.
+  validator = Validator(lambda step, params: parts.validate(params),
+                        asynchronous=v.asynchronous and jax.process_count() == 1,
+                        max_wait_s=v.max_wait_s)
+  val_rows: dict[int, dict] = {}
 
-  acc0 = parts.evaluate(state.params, val)
-  out.write({"phase": "rl", "step": 0, "val/accuracy": acc0})
+  def log_validation(results):
+    for vstep, m in results:
+      val_rows[vstep] = m
+      out.write({"phase": "val", "step": vstep, **m})
+
   ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
-  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}{ds}; "
-               f"val accuracy {acc0:.3f}")
+  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}{ds}")
   timer = metrics_lib.Timer()
-  acc = acc0
   gate = LagGate(L, r.stall_timeout_s)
   rollouts = Rollouts(parts, gate)
   handoff = ParamsHandoff()
-  # Published params are copies: the train step donates its own buffers, and the worker may
-  # still be sampling from an older version.
-  publish = lambda v: handoff.publish(v, jax.tree.map(jnp.copy, state.params))
-  publish(0)
+
+  def publish(version):
+    # Published params are copies: the train step donates its own buffers, and the worker (or a
+    # validation pass) may still be reading an older version.
+    params = jax.tree.map(jnp.copy, state.params)
+    handoff.publish(version, params)
+    return params
+
+  p0 = publish(0)
+  if v.at_start:
+    validator.submit(0, p0)
   try:
     with RolloutWorker(gate, handoff, rollouts.produce, L):
       for step in range(1, t.steps + 1):
@@ -357,38 +442,54 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
         m = parallel.distributed.fetch(m)
         del batch
         parts.data.discard(meta)  # the step consumed these rows
-        publish(step)
+        published = publish(step)
+        if step % v.every == 0 or (v.at_end and step == t.steps):
+          validator.submit(step, published)
         dt = st()
         pipe = gate.stats()
         rewards = meta.tags["reward"]
         mixed = [np.ptp(rewards[g]) > 0 for g in meta.group_rows()]
+        n = max(len(meta), 1)
         # (batch_id, slot, submit_version, consume_version, seed) make an async run replayable
         # synchronously: batch b used params version submit_version and the stream of `seed`.
         row = {"phase": "rl", "step": step, "batch_id": batch_id, "slot": batch_id % (L + 1),
                "submit_version": item["submit_version"], "consume_version": consumer,
-               "reward": float(rewards.mean()), "filtered_reward": float(rewards.mean()),
+               "reward": _nanmean(rewards), "filtered_reward": _nanmean(rewards),
                **item["info"],
                "reward/mixed_groups": float(np.mean(mixed)),
-               "completion_len": float(meta.lengths.mean()), **m,
+               "completion_len": float(meta.lengths.mean()),
+               "env/turns/mean": float(meta.tags["turns"].mean()),
+               **{f"env/{k}_frac": float(meta.tags[k].sum()) / n
+                  for k in ("terminated", "truncated", "failed")}, **m,
                **staleness_from_rows({k: meta.tags[f"version/{k}"]
                                       for k in ("first", "last", "mean")}, consumer),
                **{f"pipeline/{k}": v for k, v in pipe.items()},
                "data_plane/train_rows": parts.data.stats()["train/rows"],
+               "val/trainer_wait_s": validator.wait_s,
                "perf/step_time_s": dt, "perf/sample_time_s": item["sample_time_s"],
                "perf/elapsed_s": timer(),
                "perf/gen_tokens_per_s": float(meta.lengths.sum()) / dt}
-        if step % cfg.eval.every == 0 or step == t.steps:
-          acc = parts.evaluate(state.params, val)
-          row["val/accuracy"] = acc
         out.write(row)
+        log_validation(validator.poll())
+        acc = val_rows[max(val_rows)]["val/accuracy"] if val_rows else float("nan")
         progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
                         f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
+    log_validation(validator.wait())
   finally:
+    validator.close()
     parts.data.clear("train")  # batches still in the ring when the run ends or fails
   progress.newline()
   parts.params = state.params
-  return {"val/accuracy_before_rl": acc0, "val/accuracy_after_rl": acc,
+  first = val_rows.get(0, {}).get("val/accuracy", float("nan"))
+  last = val_rows[max(val_rows)]["val/accuracy"] if val_rows else float("nan")
+  return {"val/accuracy_before_rl": first, "val/accuracy_after_rl": last,
           "rl/time_s": timer(), "rl/steps": t.steps}
+
+
+def _nanmean(x) -> float:
+  x = np.asarray(x, np.float64)
+  x = x[np.isfinite(x)]
+  return float(x.mean()) if x.size else float("nan")
 
 
 def _read_batch(data: DataPlane, meta: BatchMeta, fields: tuple[str, ...]) -> TrainBatch:

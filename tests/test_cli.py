@@ -62,8 +62,8 @@ def _tiny(sft_steps, steps, eval_every, *extra):
   """Overrides for a run small enough for the fast suite."""
   return ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
           f"--config.sft.max_steps={sft_steps}", "--config.sft.eval_every=10",
-          f"--config.train.steps={steps}", f"--config.eval.every={eval_every}",
-          "--config.task.dev_size=64", "--config.task.val_size=64", "--config.eval.batch_size=64",
+          f"--config.train.steps={steps}", f"--config.val.every={eval_every}",
+          "--config.task.dev_size=64", "--config.task.val_size=64", "--config.val.batch_size=64",
           "--config.rollout.num_prompts=4", *extra]
 
 
@@ -80,10 +80,11 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   sft = [r for r in rows if r["phase"] == "sft"]
   rl = [r for r in rows if r["phase"] == "rl"]
+  val = {r["step"]: r for r in rows if r["phase"] == "val"}
   summary = [r for r in rows if r["phase"] == "summary"]
   assert [r["step"] for r in sft] == list(range(1, 21))
-  assert [r["step"] for r in rl] == list(range(0, 5))  # step 0 = accuracy before RL
-  for r in rl[1:]:
+  assert [r["step"] for r in rl] == list(range(1, 5))
+  for r in rl:
     for key in ("reward", "loss", "grad_norm", "entropy", "perf/step_time_s", "rollout_kl",
                 "mismatch/abs_diff/max", "mismatch/token_mult_prob_error", "mismatch/gen_kl"):
       assert key in r, key
@@ -91,11 +92,18 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
     # the data plane), so sequence masking by log-prob error drops nothing on-policy.
     assert r["mismatch/abs_diff/max"] < 1e-4
     assert r["mismatch/num_masked_seqs"] == 0 and r["mismatch/seq_mult_prob_error/max"] < 1.001
-  assert [r["step"] for r in rl if "val/accuracy" in r] == [0, 2, 4]
+  # Validation passes (asynchronous) are logged under the step whose params they used: before
+  # RL (step 0), every val.every = 2 steps, and at the end.
+  assert sorted(val) == [0, 2, 4]
+  for r in val.values():
+    for key in ("val/accuracy", "val/pass@1", "val/avg_length", "val/turns/mean",
+                "val/env_calls", "val/time_s", "val/truncated_frac"):
+      assert key in r, key
+    assert r["val/env_calls"] == 1  # 64 prompts, one batch, one turn, one task: one call
   assert len(summary) == 1
   s = summary[0]
-  assert s["val/accuracy_before_rl"] == rl[0]["val/accuracy"]
-  assert s["val/accuracy_after_rl"] == rl[-1]["val/accuracy"]
+  assert s["val/accuracy_before_rl"] == val[0]["val/accuracy"]
+  assert s["val/accuracy_after_rl"] == val[4]["val/accuracy"]
 
   config = json.loads((run_dir / "config.json").read_text())
   assert config["train"]["steps"] == 4 and config["model"]["d_model"] == 32
@@ -130,7 +138,7 @@ def test_tiny_run_with_lag_two_reports_exact_staleness(tmp_path):
 # Single-digit sums: a tiny model gets non-trivial rewards after a short warm-up, so groups with
 # and without reward variance both occur and dynamic sampling has something to filter.
 _ONE_DIGIT = ["--config.task.num_digits=1", "--config.task.dev_size=16",
-              "--config.task.val_size=16", "--config.eval.batch_size=16",
+              "--config.task.val_size=16", "--config.val.batch_size=16",
               "--config.sft.stop_accuracy=0.2", "--config.dynamic_sampling.enabled=true"]
 
 

@@ -190,17 +190,17 @@ def test_microbatch_not_divisible_by_batch_shards():
   cfg.rollout.num_prompts = 4  # 4 * 8 / 4 = 8 per micro-batch, 16 batch shards
   cfg.train.num_microbatches = 4
   cfg.mesh.data, cfg.mesh.fsdp = 4, 4
-  cfg.sft.batch_size = cfg.eval.batch_size = 16
+  cfg.sft.batch_size = cfg.val.batch_size = 16
   msg = _one(cfg, "train.num_microbatches", num_devices=16)
   assert "config.mesh.data * config.mesh.fsdp = 16" in msg
 
 
-@pytest.mark.parametrize("key", ["sft.batch_size", "eval.batch_size"])
+@pytest.mark.parametrize("key", ["sft.batch_size", "val.batch_size"])
 def test_batch_sizes_divisible_by_batch_shards(key):
   cfg = get_config()
   cfg.mesh.fsdp = -1
   section, leaf = key.split(".")
-  cfg.sft.batch_size = cfg.eval.batch_size = 16
+  cfg.sft.batch_size = cfg.val.batch_size = 16
   cfg[section][leaf] = 20
   assert "config.mesh.data * config.mesh.fsdp = 8" in _one(cfg, key, num_devices=8)
 

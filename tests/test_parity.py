@@ -22,12 +22,13 @@ import pytest
 
 STEPS = 3
 ARGS = ["--config.task.num_digits=1", "--config.task.dev_size=16", "--config.task.val_size=32",
-        "--config.eval.batch_size=32", "--config.sft.max_steps=20", "--config.sft.eval_every=10",
-        "--config.sft.batch_size=64", f"--config.train.steps={STEPS}", "--config.eval.every=3"]
+        "--config.val.batch_size=32", "--config.sft.max_steps=20", "--config.sft.eval_every=10",
+        "--config.sft.batch_size=64", f"--config.train.steps={STEPS}", "--config.val.every=3"]
 # 8 row shards: data 4 x fsdp 2, so parameters are sharded too.
 MESH8 = ["--config.mesh.data=4", "--config.mesh.fsdp=2"]
 TIMING = ("perf/", "pipeline/worker_blocked_s", "pipeline/trainer_wait_s", "sft/time_s",
-          "rl/time_s", "total_time_s", "pipeline/worker_waiting", "pipeline/trainer_waiting")
+          "rl/time_s", "total_time_s", "pipeline/worker_waiting", "pipeline/trainer_waiting",
+          "val/time_s", "val/trainer_wait_s")
 
 
 def _env(devices: int) -> dict:
@@ -63,6 +64,9 @@ def _rows(run_dir) -> list[dict]:
 
 def _compare(base: list[dict], other: list[dict], what: str) -> int:
   """Asserts every numeric metric matches; returns how many values were compared."""
+  # Validation rows are written when their (asynchronous) pass ends: compare by (phase, step).
+  order = lambda rows: sorted(rows, key=lambda r: (r["phase"], r.get("step", -1)))
+  base, other = order(base), order(other)
   assert [(r["phase"], r.get("step")) for r in base] == \
       [(r["phase"], r.get("step")) for r in other], what
   compared = 0

@@ -17,7 +17,7 @@ def _small_config():
   c.rollout.num_prompts, c.rollout.group_size = 4, 4
   c.rollout.max_new_tokens = 6
   c.task.dev_size = c.task.val_size = 16
-  c.eval.batch_size = 16
+  c.val.batch_size = 16
   return c
 
 
@@ -52,7 +52,6 @@ def _steps(cfg, parts, step_fn, state, events):
 
   rng = np.random.default_rng(0)
   P, G, Lp = cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.rollout.max_prompt_len
-  val = parts.task.split("val")
   per_step, prompt_lens, completion_lens = [], set(), set()
   for step in range(1, 21):
     start = len(events)
@@ -71,7 +70,7 @@ def _steps(cfg, parts, step_fn, state, events):
     state, m = step_fn(state, jax.device_put(batch, parallel.batch_sharding(parts.mesh)))
     jax.block_until_ready(m)
     if step % 5 == 0:
-      parts.evaluate(state.params, val)
+      parts.validate(state.params)  # the multi-turn loop, data plane put and free
     per_step.append(len(events) - start)
 
   return per_step, prompt_lens, completion_lens

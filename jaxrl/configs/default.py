@@ -39,7 +39,8 @@ def get_config() -> ConfigDict:
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
 
   c.task = ConfigDict()
-  c.task.name = "add"  # built-in task (jaxrl.envs.TASKS)
+  c.task.name = "add"  # built-in task: add | countdown | guess (multi-turn) | math
+  c.task.path = ""  # task "math": JSONL file of {"question", "answer"} rows (GSM8K style)
   c.task.num_digits = 2  # operands are zero-padded to this many digits
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
   c.task.val_size = 1000  # held-out split used only for reported accuracy
@@ -56,7 +57,9 @@ def get_config() -> ConfigDict:
   c.rollout.num_prompts = 32  # P: groups per step
   c.rollout.group_size = 8  # G: samples per prompt
   c.rollout.max_prompt_len = 6  # prompts are left-padded to this (longer ones are rejected)
-  c.rollout.max_new_tokens = 4  # completion budget
+  c.rollout.max_new_tokens = 4  # tokens per model turn
+  c.rollout.max_turns = 1  # model turns per episode (each environment may stop earlier)
+  c.rollout.max_total_tokens = 0  # completion budget over all turns + observations; 0 = max_new_tokens
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0  # 0: off
   c.rollout.top_p = 1.0  # 1.0: off
@@ -137,9 +140,19 @@ def get_config() -> ConfigDict:
   c.ref_kl.estimator = "k3"
   c.ref_kl.reduction = "token_mean"
 
-  c.eval = ConfigDict()
-  c.eval.every = 20  # held-out greedy eval period in RL steps (also at start and end)
-  c.eval.batch_size = 1000
+  # Validation on the held-out `val` split, through the same multi-turn loop as training.
+  c.val = ConfigDict()
+  c.val.every = 20  # period in RL steps; each pass uses the params of the step it is logged at
+  c.val.at_start = True  # also before the first RL step (step 0)
+  c.val.at_end = True  # also after the last step
+  c.val.batch_size = 1000  # prompts per generation batch (rows = batch_size * samples_per_prompt)
+  c.val.samples_per_prompt = 1  # k of val/pass@k
+  c.val.temperature = 0.0  # 0 = greedy; samples_per_prompt > 1 needs > 0
+  c.val.asynchronous = True  # generate on a thread while training goes on (1 process only)
+  c.val.max_wait_s = 600.0  # the trainer waits at most this long for the previous pass
+
+  c.env = ConfigDict()
+  c.env.timeout_s = 60.0  # an environment call slower than this fails its rows for the batch
 
   # Several processes (hosts), one program: every process gets the same config but its own
   # process_id; the mesh then spans every process's devices.
