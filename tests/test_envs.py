@@ -440,9 +440,11 @@ def test_guess_hints_success_and_max_turns():
   assert res.done.tolist() == [False, False, True, False, False]
   assert res.components["correct"].tolist() == [0, 0, 1, 0, 0]
   assert [m["guess"] for m in res.metadata] == [50, 20, 37, None, -5]
-  last = _guess(env, 37, ["50", "37"], turn=3)  # turn + 1 == max_turns
-  assert last.done.tolist() == [True, True] and last.rewards.tolist() == [0, 1]
-  assert last.observations == ["", ""]
+  # The last allowed turn: only a correct guess ends the episode; running out of turns is the
+  # rollout loop's call (a truncation), never reported as done here.
+  last = _guess(env, 37, ["50", "37"], turn=3)
+  assert last.done.tolist() == [False, True] and last.rewards.tolist() == [0, 1]
+  assert last.observations == ["lower", ""]
 
 
 def test_guess_truncated_turn_is_a_wrong_guess():

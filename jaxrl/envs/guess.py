@@ -4,8 +4,10 @@ Task data: {"secret": int, "high": int}. Each turn the first integer in the resp
 optional "-" then ASCII digits) is the guess. The observation is "higher" (the secret is larger),
 "lower", "no number" when the response has none (or one of over 100 digits), or "too long" when
 the turn was truncated - a truncated turn counts as a wrong guess whatever its text, since its
-text is cut. A correct guess ends the episode with reward 1.0 on that turn; otherwise the
-reward is 0 and the episode ends when `turn + 1 >= max_turns` (observation "").
+text is cut. A correct guess ends the episode (done: terminated) with reward 1.0 on that turn;
+otherwise the reward is 0 and the hint is the next observation. The environment never ends an
+episode for running out of turns: the rollout loop stops it after `max_turns` model turns and
+counts it as truncated, so "terminated" always means the secret was found.
 
 Stateless: the verdict depends only on the row and this turn's text, so rows at different turns
 are graded in one call. Components: "correct" (1 on the turn that found the secret).
@@ -59,8 +61,6 @@ class GuessEnvironment:
         rewards[i], done[i], hint = 1.0, True, ""
       else:
         hint = "higher" if secret > guess else "lower"
-      if t.turn + 1 >= self.max_turns:
-        done[i] = True
       obs.append("" if done[i] else hint)
     return StepResult(obs, rewards, done, {"correct": rewards.copy()}, meta)
 
