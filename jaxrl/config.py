@@ -80,6 +80,14 @@ def _one_of(choices):
 
 
 # (key, (predicate, requirement)); checked only when the key exists with the right type.
+def _floats_ok(text: str) -> bool:
+  try:
+    w = [float(x) for x in text.split(",")]
+  except ValueError:
+    return False
+  return all(x >= 0 and x == x and x != float("inf") for x in w) and sum(w) > 0
+
+
 _DISTRIBUTED_RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("distributed.coordinator_address", (lambda v: True, "a string")),
     ("distributed.num_processes", _ge(1)),
@@ -120,6 +128,8 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.partial_rollouts",
      (lambda v: v is False, "false: partial rollouts (decoding across a weight update) are not "
       "supported yet")),
+    ("task.weights", (lambda v: v == "" or _floats_ok(v),
+                      "'' (equal) or comma-separated numbers >= 0, not all 0")),
     ("dynamic_sampling.tol", _ge(0)),
     ("dynamic_sampling.max_gen_batches", _ge(1)),
     ("dynamic_sampling.reward_field", _one_of(set(REWARD_FIELDS))),
@@ -397,7 +407,11 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   rules = list(_RULES)
   if task_names is not None:
-    rules.append(("task.name", _one_of(set(task_names))))
+    known = sorted(task_names)
+    rules.append(("task.name", (
+        lambda v: all(n in known for n in v.split("+")) and len(set(v.split("+"))) ==
+        len(v.split("+")),
+        f"one of {known}, or several distinct ones joined by '+' (mixed per row)")))
   for key, (pred, requirement) in rules:
     if key in good and not pred(good[key]):
       problems.append(f"{_PREFIX}{key}: must be {requirement}, got {good[key]!r}")

@@ -32,6 +32,7 @@ from jaxrl import losses
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.data import left_pad
+from jaxrl.data.sources import MixedSource
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make_env
 from jaxrl.models import ModelConfig, init_model
@@ -50,21 +51,33 @@ TASK_NAMES = ("add", "countdown", "guess", "math")
 
 
 def make_source(cfg):
-  """The task source named by `task.name` (rows for training and validation)."""
+  """The task source of `task.name`: one built-in task, or several joined by "+" mixed per row
+  (a source drawn per training row with `task.weights`; validation covers every task)."""
+  names = cfg.task.name.split("+")
+  if len(names) == 1:
+    return _one_source(cfg, names[0])
+  weights = [float(w) for w in cfg.task.weights.split(",")] if cfg.task.weights else None
+  if weights is not None and len(weights) != len(names):
+    raise config_lib.ConfigError([f"config.task.weights: {len(weights)} weights for "
+                                  f"{len(names)} tasks {names}"])
+  return MixedSource([_one_source(cfg, n) for n in names], weights, seed=cfg.seed)
+
+
+def _one_source(cfg, name: str):
   t = cfg.task
-  if t.name == "add":
+  if name == "add":
     return AddSource(num_digits=t.num_digits, seed=cfg.seed, dev_size=t.dev_size,
                      val_size=t.val_size)
-  if t.name == "countdown":
+  if name == "countdown":
     return CountdownSource(seed=cfg.seed, val_size=t.val_size)
-  if t.name == "guess":
+  if name == "guess":
     return GuessSource(seed=cfg.seed)
-  if t.name == "math":
+  if name == "math":
     if not t.path:
       raise config_lib.ConfigError(["config.task.path: task 'math' needs a JSONL file of "
                                     "{\"question\", \"answer\"} rows"])
     return MathSource.from_jsonl(t.path, seed=cfg.seed)
-  raise config_lib.ConfigError([f"config.task.name: unknown task {t.name!r}"])
+  raise config_lib.ConfigError([f"config.task.name: unknown task {name!r}"])
 
 
 class Parts:
@@ -77,7 +90,7 @@ class Parts:
     # The arithmetic task keeps its demonstrations (warm-up) and `dev` split (warm-up stop rule).
     self.task = getattr(self.source, "task", None)
     self.tok = CharTokenizer(self.source.alphabet)
-    self.envs = {cfg.task.name: make_env(cfg.task.name)}
+    self.envs = {name: make_env(name) for name in cfg.task.name.split("+")}
     problems = []
     if self.task is not None and self.task.max_answer_tokens > r.max_new_tokens:
       problems.append(f"config.rollout.max_new_tokens: task {cfg.task.name!r} answers need up to "
@@ -181,6 +194,13 @@ class Parts:
       for key in ("terminated", "truncated", "failed"):
         out[f"val/{key}_frac"] = float(np.concatenate([getattr(e, key)[m] for e, m in eps]).mean())
       out["val/env_calls"] = float(sum(e.env_calls for e, _ in eps))
+      if len(self.envs) > 1:  # mixed tasks: accuracy per task too
+        env_of = np.array([t.env for e, m in eps for t, keep in zip(e.tasks, m) if keep])
+        flat = solved.reshape(-1)
+        for name in self.envs:
+          rows = env_of == name
+          if rows.any():
+            out[f"val/{name}/accuracy"] = float(flat[rows].mean())
       return out
     finally:
       for m in metas:

@@ -377,3 +377,17 @@ def test_distributed_settings_before_jax_starts():
   cfg = ConfigDict(get_config().to_dict(), type_safe=False)
   cfg.distributed.num_processes = "2"
   assert distributed_settings(cfg) is None
+
+
+def test_mixed_task_names_and_weights():
+  cfg = get_config()
+  cfg.task.name = "add+guess"
+  validate(cfg, 1, task_names=["add", "guess"])
+  cfg.task.name = "add+add"
+  assert "joined by '+'" in _one(cfg, "task.name", task_names=["add", "guess"])
+  cfg.task.name = "add+sub"
+  assert "got 'add+sub'" in _one(cfg, "task.name", task_names=["add", "guess"])
+  cfg.task.name = "add"
+  for bad in ("1,x", "0,0", "-1,2"):
+    cfg.task.weights = bad
+    assert f"got {bad!r}" in _one(cfg, "task.weights")

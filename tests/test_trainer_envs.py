@@ -18,8 +18,10 @@ from test_cli import _rl_rows, _tiny, _train
 
 
 def test_multi_turn_guess_trains_with_lag_one(tmp_path):
+  # Guess (multi-turn) mixed per row with add (single turn), 3:1.
   run_dir = tmp_path / "out"
-  args = _tiny(0, 6, 3, "--config.sft.enabled=false", "--config.task.name=guess",
+  args = _tiny(0, 6, 3, "--config.sft.enabled=false", "--config.task.name=guess+add",
+               "--config.task.weights=3,1",
                "--config.rollout.lag=1", "--config.rollout.max_turns=4",
                "--config.rollout.max_prompt_len=32", "--config.rollout.max_total_tokens=48",
                "--config.val.batch_size=16", f"--config.run_dir={run_dir}")
@@ -33,8 +35,8 @@ def test_multi_turn_guess_trains_with_lag_one(tmp_path):
     ends = r["env/terminated_frac"] + r["env/truncated_frac"] + r["env/failed_frac"]
     assert abs(ends - 1.0) < 1e-6, r
     assert 1.0 <= r["env/turns/mean"] <= 4.0
-    # One environment call per turn of the batch (one task).
-    assert 1 <= r["env/calls"] <= 4
+    # One environment call per task per turn: add has 1 turn, guess up to 4.
+    assert 1 <= r["env/calls"] <= 5
     # Observations are context only: the trained tokens are the generated ones.
     assert r["tokens"] <= 4 * 4 * 8 * 4  # P x G rows x max_turns x max_new_tokens
   assert max(r["env/turns/mean"] for r in rl) > 1.0  # really multi-turn
@@ -42,6 +44,7 @@ def test_multi_turn_guess_trains_with_lag_one(tmp_path):
   val = [r for r in rows if r["phase"] == "val"]
   assert sorted(r["step"] for r in val) == [0, 3, 6]
   assert all(r["val/turns/mean"] >= 1 and "val/truncated_frac" in r for r in val)
+  assert all("val/add/accuracy" in r and "val/guess/accuracy" in r for r in val)
 
 
 class _Flaky:

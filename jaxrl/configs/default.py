@@ -39,7 +39,10 @@ def get_config() -> ConfigDict:
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
 
   c.task = ConfigDict()
-  c.task.name = "add"  # built-in task: add | countdown | guess (multi-turn) | math
+  # Built-in task: add | countdown | guess (multi-turn) | math; several joined by "+" (e.g.
+  # "add+guess") are mixed per row, drawn with task.weights.
+  c.task.name = "add"
+  c.task.weights = ""  # "" = equal; else comma-separated, one per task (e.g. "3,1")
   c.task.path = ""  # task "math": JSONL file of {"question", "answer"} rows (GSM8K style)
   c.task.num_digits = 2  # operands are zero-padded to this many digits
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
