@@ -54,6 +54,23 @@ def unknown_split(source: str, name: str, known: Sequence[str]) -> KeyError:
   return KeyError(f"source {source!r} has no split {name!r}; known: {list(known)}")
 
 
+class SplitSource:
+  """Base of sources that hold their rows per split in `self._splits` (name -> list of Task)."""
+
+  name: str
+  _splits: dict[str, list[Task]]
+
+  def split(self, name: str) -> list[Task]:
+    if name not in self._splits:
+      raise unknown_split(self.name, name, list(self._splits))
+    return list(self._splits[name])
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+    """n training rows drawn with replacement (deterministic given rng)."""
+    train = self._splits["train"]
+    return [train[i] for i in rng.integers(len(train), size=n)]
+
+
 class MixedSource:
   """Rows of several sources: per training row a source drawn by weight, then a row of it.
 

@@ -23,9 +23,8 @@ import re
 from fractions import Fraction
 from typing import Sequence
 
-import numpy as np
 
-from jaxrl.data.sources import alphabet_of, unknown_split
+from jaxrl.data.sources import SplitSource, alphabet_of
 from jaxrl.envs import expr
 from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
 from jaxrl.envs.registry import register
@@ -80,7 +79,7 @@ class CountdownEnvironment:
     return single_turn_result(correct, {"format": fmt, "correct": correct}, meta)
 
 
-class CountdownSource:
+class CountdownSource(SplitSource):
   """Seeded solvable puzzles: `val_size` val rows, then `train_size` train rows, disjoint.
 
   A puzzle is min_numbers..max_numbers numbers in 1..max_number; repeatedly two random
@@ -131,16 +130,6 @@ class CountdownSource:
                  data={"numbers": list(nums), "target": target, "solution": solution},
                  uid=f"{self.name}/{split}/{i}")
             for i, (nums, target, solution) in enumerate(puzzles)]
-
-  def split(self, name: str) -> list[Task]:
-    if name not in self._splits:
-      raise unknown_split(self.name, name, list(self._splits))
-    return list(self._splits[name])
-
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
-    """n training rows drawn with replacement (deterministic given rng)."""
-    train = self._splits["train"]
-    return [train[i] for i in rng.integers(len(train), size=n)]
 
 
 def _random_puzzle(rng: random.Random, lo: int, hi: int, max_number: int,

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl.data.sources import alphabet_of, unknown_split
+from jaxrl.data.sources import SplitSource, alphabet_of
 from jaxrl.envs.base import StepResult, Task, Turn
 from jaxrl.envs.registry import register
 
@@ -65,7 +65,7 @@ class GuessEnvironment:
     return StepResult(obs, rewards, done, {"correct": rewards.copy()}, meta)
 
 
-class GuessSource:
+class GuessSource(SplitSource):
   """Secrets 1..high split by a seeded permutation: `val_fraction` of the values (at least one)
   are val secrets, the rest train secrets, each once per split - disjoint, so validation
   measures search on secrets never rewarded in training.
@@ -92,13 +92,3 @@ class GuessSource:
     prompt = self.template.format(high=self.high)
     return [Task(env="guess", prompt=prompt, data={"secret": int(s), "high": self.high},
                  uid=f"{self.name}/{split}/{i}") for i, s in enumerate(secrets)]
-
-  def split(self, name: str) -> list[Task]:
-    if name not in self._splits:
-      raise unknown_split(self.name, name, list(self._splits))
-    return list(self._splits[name])
-
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
-    """n training rows drawn with replacement (deterministic given rng)."""
-    train = self._splits["train"]
-    return [train[i] for i in rng.integers(len(train), size=n)]

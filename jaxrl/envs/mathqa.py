@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxrl.data.sources import alphabet_of, unknown_split
+from jaxrl.data.sources import SplitSource, alphabet_of
 from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
 from jaxrl.envs.registry import register
 
@@ -252,7 +252,7 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[str, str]]:
   return rows
 
 
-class MathSource:
+class MathSource(SplitSource):
   """Question/answer rows; `instruction` (if any) is appended to each question on a new line."""
 
   def __init__(self, train: Sequence[Mapping[str, str]], val: Sequence[Mapping[str, str]] = (),
@@ -296,13 +296,3 @@ class MathSource:
     is_val[perm[:n_val]] = True
     return cls([r for r, v in zip(rows, is_val) if not v], [r for r, v in zip(rows, is_val) if v],
                name=name, instruction=instruction)
-
-  def split(self, name: str) -> list[Task]:
-    if name not in self._splits:
-      raise unknown_split(self.name, name, list(self._splits))
-    return list(self._splits[name])
-
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
-    """n training rows drawn with replacement (deterministic given rng)."""
-    train = self._splits["train"]
-    return [train[i] for i in rng.integers(len(train), size=n)]
