@@ -1,0 +1,266 @@
+"""Checkpoints of a run: the device state and the host state, saved together, restored anywhere.
+
+Layout: one directory per run (`checkpoint_dir(run_dir)` = `<run_dir>/checkpoints`), one
+subdirectory per saved step (`<dir>/<step>/`), each holding two items written by one Orbax
+`CheckpointManager` save:
+
+- `state`: the pytree of `jax.Array`s (`TrainState`: params, optimizer state, step, reference
+  params), through Orbax's standard PyTree handler. Every process writes its own shards.
+- `host`: a JSON dict of everything else resume needs (numpy RNG states, data cursor, counters,
+  the lag ring's batch metadata, the validation schedule, ...), written by process 0.
+
+Contract:
+
+- Atomic steps. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
+  only after every item is written (`commit_success.txt` is written just before the rename). A run
+  killed at any moment leaves either a finished step or a tmp directory, and nothing here reads a
+  tmp directory as a step: `latest_step`, `restore(None)` and `resolve_resume` only see finalized
+  steps. `latest_step` also hides the step of a save still in flight in this process (Orbax's own
+  step list already counts it). Opening a writable `Checkpointer` deletes stale tmp directories.
+- Asynchronous saves. `save` returns once the arrays have been copied to host memory; writing
+  and the rename happen in a background thread. The caller may then donate or overwrite the state
+  and mutate `host` (the dict is snapshotted through JSON before `save` returns). `wait` blocks
+  until the last save is durable; the next `save`, `restore` and `close` wait on their own.
+- One history per directory. Saving a step that is already there (on disk or in flight) is
+  skipped and returns False, never overwritten: a step number names one state of the run (the
+  count of applied updates), so a second save of it - e.g. the SIGTERM save right after a periodic
+  one - holds the same state. Saving a step older than the latest means the run went back (it
+  resumed from an older checkpoint into this directory): without `force` that raises, since
+  interleaving two histories would make `auto` resume pick the abandoned one; `force=True` deletes
+  the newer steps first (with a warning) and saves.
+- `keep` newest steps are kept; older ones are deleted once the new step is durable, so a crash
+  mid-save still leaves `keep` finished checkpoints.
+- Restore always takes an *abstract* target (`jax.ShapeDtypeStruct` with a sharding per leaf)
+  describing the state on the current mesh: Orbax then reads each shard straight onto its device,
+  so a checkpoint written on 1 device restores onto 8 or onto a different mesh. Without a target
+  Orbax would rebuild the saving run's shardings, which fails on another topology.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+CHECKPOINT_SUBDIR = "checkpoints"
+_ITEMS = ("state", "host")
+
+
+def checkpoint_dir(run_dir: str) -> str:
+  """Where a run keeps its checkpoints (what `resolve_resume("auto", run_dir)` looks at)."""
+  return str(epath.Path(run_dir) / CHECKPOINT_SUBDIR)
+
+
+def _abs(path: str) -> str:
+  # Orbax wants absolute paths; remote paths (gs://...) already are and must not be touched.
+  path = os.fspath(path)
+  return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def complete_steps(directory: str) -> list[int]:
+  """Finalized steps in `directory` (sorted; tmp directories of interrupted saves excluded)."""
+  return sorted(ocp.path.step.checkpoint_steps(_abs(directory)))
+
+
+class Checkpointer:
+  """Orbax CheckpointManager wrapper: one directory, steps as subdirectories.
+
+  Every process of a multi-process run must make the same calls in the same order (Orbax
+  synchronises them); see the module docstring for the contract.
+  """
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+      raise ValueError(f"checkpoint keep must be an int >= 1, got {keep!r}")
+    self.directory = _abs(directory)
+    self.keep = keep
+    self.read_only = read_only
+    if read_only:
+      # Reading another run's checkpoints: no tmp cleanup (its save may be in flight), no pruning.
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                             save_interval_steps=0)
+    else:
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1, create=True,
+                                             cleanup_tmp_directories=True,
+                                             enable_async_checkpointing=async_save)
+    self._mngr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def save(self, step: int, state, host: dict, *, force: bool = False) -> bool:
+    """Starts saving `state` (pytree of jax.Arrays) and `host` (JSON dict) as checkpoint `step`.
+
+    Returns whether a save was started: False when `step` already exists (or is in flight).
+    A step older than the latest raises ValueError unless `force`, which first deletes the newer
+    steps (see the module docstring). Also raises, before anything is written, if `host` would not
+    come back from JSON unchanged.
+    """
+    if self.read_only:
+      raise ValueError(f"checkpoint directory {self.directory} was opened read-only")
+    step = int(step)
+    _check_json(host, "host")
+    host = json.loads(json.dumps(host))  # a snapshot: the caller may mutate host right away
+    steps = self._mngr.all_steps()  # includes a save in flight
+    if step in steps:
+      return False
+    newer = sorted(s for s in steps if s > step)
+    if newer and not force:
+      raise ValueError(f"checkpoint step {step} is older than step {newer[-1]} already in "
+                       f"{self.directory}; save with force=True to delete steps {newer}, or save "
+                       "into another directory")
+    if newer:
+      self.wait()
+      warnings.warn(f"deleting checkpoint steps {newer} of {self.directory}: the run went back "
+                    f"to step {step}", stacklevel=2)
+      for s in newer:
+        self._mngr.delete(s)
+    # force: Orbax's own save-interval rule must not skip what the caller decided to save.
+    return bool(self._mngr.save(
+        step, force=True,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host))))
+
+  def wait(self) -> None:
+    """Blocks until pending async saves are durable (renamed to their step); re-raises their
+    errors."""
+    self._mngr.wait_until_finished()
+
+  def all_steps(self) -> list[int]:
+    """Finalized steps, oldest first (an in-flight save is not listed)."""
+    return sorted(s for s in self._mngr.all_steps() if self._finalized(s))
+
+  def latest_step(self) -> int | None:
+    """The newest finalized step, or None. Never an interrupted or still-in-flight save."""
+    for step in sorted(self._mngr.all_steps(), reverse=True):
+      if self._finalized(step):
+        return step
+    return None
+
+  def _finalized(self, step: int) -> bool:
+    # Orbax lists a step as soon as its save starts; its directory exists (locally: is renamed
+    # from the tmp name; remotely: has commit_success.txt) only once it is complete.
+    return ocp.path.step.is_path_finalized(epath.Path(self.directory) / str(step))
+
+  def restore(self, step: int | None, target) -> tuple[object, dict]:
+    """Returns `(state, host)` of `step` (None: the latest), laid out as `target` says.
+
+    `target` describes the state on the current mesh: ShapeDtypeStructs with shardings (e.g.
+    `abstract_like(fresh_state)`), or concrete arrays, which are reduced to that first. Pending
+    saves are waited for, so a step saved by this process is readable.
+    """
+    self.wait()
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    elif int(step) not in self.all_steps():
+      raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} "
+                              f"(steps: {self.all_steps()})")
+    out = self._mngr.restore(int(step), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
+    return out.state, out.host
+
+  def close(self) -> None:
+    """Waits for pending saves, then releases Orbax's threads."""
+    self._mngr.close()
+
+
+def abstract_like(state):
+  """`jax.ShapeDtypeStruct(shape, dtype, sharding)` per leaf: a restore target without memory.
+
+  Leaves that are already ShapeDtypeStructs pass through; each needs a sharding, since a restore
+  without one would not know which devices to put the array on.
+  """
+
+  def leaf(x):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+      raise ValueError(f"restore target leaf {type(x).__name__}{getattr(x, 'shape', '')} has no "
+                       "sharding; build the target from arrays on the current mesh")
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return jax.tree.map(leaf, state)
+
+
+def resolve_resume(resume: str, run_dir: str) -> str | None:
+  """The checkpoint directory a run resumes from, or None to start fresh.
+
+  - "none": start fresh (even if the run directory holds checkpoints).
+  - "auto": the run's own checkpoint directory if it holds a finished checkpoint, else None, so
+    a restarted (e.g. preempted) run continues where it was and a new run starts.
+  - anything else: a checkpoint directory, or a run directory holding one; it must exist and hold
+    a finished checkpoint (FileNotFoundError naming the path otherwise): asking to resume from
+    something that is not there is a mistake, not a fresh start.
+  """
+  if resume == "none":
+    return None
+  if resume == "auto":
+    own = _abs(checkpoint_dir(run_dir))
+    return own if epath.Path(own).exists() and complete_steps(own) else None
+  path = _abs(resume)
+  if not epath.Path(path).exists():
+    raise FileNotFoundError(f"resume path {resume!r} does not exist")
+  if not epath.Path(path).is_dir():
+    raise FileNotFoundError(f"resume path {resume!r} is not a directory")
+  if complete_steps(path):
+    return path
+  nested = _abs(checkpoint_dir(path))
+  if epath.Path(nested).exists() and complete_steps(nested):
+    return nested
+  hint = ""
+  parent = os.path.dirname(path.rstrip("/"))
+  if os.path.basename(path.rstrip("/")).isdigit() and complete_steps(parent):
+    hint = f" (it is one step; pass its checkpoint directory {parent})"
+  raise FileNotFoundError(f"resume path {resume!r} holds no complete checkpoint{hint}")
+
+
+def numpy_rng_state(rng: np.random.Generator) -> dict:
+  """JSON-safe state of a PCG64 Generator. The 128-bit integers are decimal strings: JSON
+  readers that parse numbers as doubles would silently round them."""
+  s = rng.bit_generator.state
+  if s["bit_generator"] != "PCG64":
+    raise ValueError(f"only PCG64 generators are checkpointed, got {s['bit_generator']}")
+  return {"bit_generator": "PCG64", "state": str(s["state"]["state"]),
+          "inc": str(s["state"]["inc"]), "has_uint32": int(s["has_uint32"]),
+          "uinteger": int(s["uinteger"])}
+
+
+def restore_numpy_rng(state: dict) -> np.random.Generator:
+  """The Generator `numpy_rng_state` described: its next draws are the original's next draws
+  (including the buffered half of a 64-bit word used by 32-bit draws)."""
+  if state.get("bit_generator") != "PCG64":
+    raise ValueError(f"not a PCG64 state: {state.get('bit_generator')!r}")
+  bits = np.random.PCG64()
+  bits.state = {"bit_generator": "PCG64",
+                "state": {"state": int(state["state"]), "inc": int(state["inc"])},
+                "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"])}
+  return np.random.Generator(bits)
+
+
+def _check_json(x, where: str) -> None:
+  """Rejects what JSON would change on the way back (tuples -> lists, int keys -> str keys) or
+  cannot hold (numpy scalars, objects), so a resumed run sees exactly the host state it saved.
+  Non-finite floats pass: Python's json writes and reads them (NaN, Infinity)."""
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return
+  if isinstance(x, list):
+    for i, v in enumerate(x):
+      _check_json(v, f"{where}[{i}]")
+    return
+  if isinstance(x, dict):
+    for k, v in x.items():
+      if not isinstance(k, str):
+        raise ValueError(f"{where} has key {k!r} of type {type(k).__name__}; JSON keys are str")
+      _check_json(v, f"{where}[{k!r}]")
+    return
+  raise ValueError(f"{where} is a {type(x).__name__}, which does not round-trip through JSON "
+                   "(use lists, dicts with str keys, str, int, float, bool, None)")
