@@ -1,8 +1,9 @@
 """Validation of run configs against the schema in `jaxrl.configs.default`.
 
 `validate` runs before anything is compiled and reports every problem at once: schema (unknown
-and missing keys), types, value ranges, the device mesh, cross-key divisibility and
-incompatible loss combinations. It never imports jax; the caller passes the device count.
+and missing keys), types, value ranges, the device mesh, cross-key divisibility, incompatible
+loss combinations and what the chosen tasks need (prompt and answer lengths, split sizes, a data
+file, demonstrations for the warm-up). It never imports jax; the caller passes the device count.
 
 `parse_overrides` applies `--config.a.b=value` command-line overrides. It exists because
 `ml_collections.config_flags` reports an unknown override key as a bare traceback naming only
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -107,7 +109,8 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("model.param_dtype", _one_of(DTYPES)),
     ("model.dtype", _one_of(DTYPES)),
     ("model.init_std", _gt(0)),
-    ("task.num_digits", _in(1, 9)),
+    ("task.num_digits", (lambda v: 1 <= v <= 4, "in [1, 4] (task 'add' permutes all 10^(2n) "
+                         "operand pairs once: 5 digits would need 80 GB)")),
     ("task.dev_size", _ge(1)),
     ("task.val_size", _ge(1)),
     ("sft.learning_rate", _gt(0)),
@@ -119,8 +122,12 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.group_size", (lambda v: v >= 2, ">= 2 (group-normalised advantages need 2)")),
     ("rollout.max_prompt_len", _ge(1)),
     ("rollout.max_new_tokens", _ge(1)),
-    ("rollout.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
-    ("rollout.top_k", _ge(0)),
+    # Greedy decoding (temperature 0, or top-k 1) gives every sample of a prompt the same tokens
+    # and so the same reward: every group-normalised advantage would be 0 and nothing learned.
+    ("rollout.temperature", (lambda v: v > 0, "> 0 (greedy samples of one prompt are identical, "
+                             "so every advantage would be 0)")),
+    ("rollout.top_k", (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (top-1 sampling is greedy: "
+                       "the samples of one prompt would be identical, every advantage 0)")),
     ("rollout.top_p", _in(0, 1, lo_open=True)),
     ("rollout.lag", _ge(0)),
     ("rollout.max_regenerations", _ge(0)),
@@ -351,6 +358,62 @@ def _check_distributed(good: dict[str, Any], problems: list[str]) -> None:
           "and a lagged rollout thread samples while the trainer trains")
 
 
+def _add_lengths(num_digits: int) -> tuple[int, int, int]:
+  """Task 'add' with n-digit operands: (prompt tokens, answer tokens, number of problems).
+
+  Spelled out from `jaxrl.envs.arithmetic` (prompt "07+35=", answer up to n + 1 digits then
+  EOS, every operand pair one problem) because building the task permutes all of its problems;
+  tests/test_config_invalid.py checks these against the task itself.
+  """
+  return 2 * num_digits + 2, num_digits + 2, 100 ** num_digits
+
+
+def _check_task(good: dict[str, Any], problems: list[str], tasks_known: bool) -> None:
+  """What the tasks of `task.name` need from the rest of the config.
+
+  Without these a run fails only once it builds its task, after joining the processes (a bare
+  traceback for a missing data file or splits that leave no training problems), or goes wrong
+  silently: weights given for a single task are ignored, and in a mix 'add' answers longer than
+  a turn are never rewarded.
+  """
+  p = _PREFIX
+  if "task.name" not in good:
+    return
+  name = good["task.name"]
+  names = name.split("+")
+  weights = good.get("task.weights", "")
+  if weights and len(weights.split(",")) != len(names):
+    problems.append(f"{p}task.weights: {len(weights.split(','))} weights for the {len(names)} "
+                    f"task(s) of {p}task.name = {name!r}; give one per task")
+  if not tasks_known:  # the checks below know what the built-in tasks are
+    return
+  if good.get("sft.enabled") and good.get("sft.max_steps", 0) > 0 and names != ["add"]:
+    problems.append(f"{p}sft.enabled: task {name!r} has no demonstrations for the supervised "
+                    f"warm-up (only 'add' alone has); set it to false or {p}sft.max_steps to 0")
+  if "math" in names and "task.path" in good:
+    path = good["task.path"]
+    if not path:
+      problems.append(f"{p}task.path: task 'math' needs a JSONL file of {{\"question\", "
+                      "\"answer\"} rows, got ''")
+    elif not os.path.isfile(path):
+      problems.append(f"{p}task.path: no file {path!r} (task 'math' reads its rows from it)")
+  if "add" in names and "task.num_digits" in good:
+    n = good["task.num_digits"]
+    prompt_len, answer_len, total = _add_lengths(n)
+    if "rollout.max_prompt_len" in good and good["rollout.max_prompt_len"] < prompt_len:
+      problems.append(f"{p}rollout.max_prompt_len: task 'add' prompts have {prompt_len} tokens "
+                      f"with {p}task.num_digits = {n}, got {good['rollout.max_prompt_len']}")
+    if "rollout.max_new_tokens" in good and good["rollout.max_new_tokens"] < answer_len:
+      problems.append(f"{p}rollout.max_new_tokens: task 'add' answers need up to {answer_len} "
+                      f"tokens (with EOS) with {p}task.num_digits = {n}, got "
+                      f"{good['rollout.max_new_tokens']}")
+    if "task.dev_size" in good and "task.val_size" in good and \
+        good["task.dev_size"] + good["task.val_size"] >= total:
+      problems.append(f"{p}task.dev_size: {p}task.dev_size + {p}task.val_size = "
+                      f"{good['task.dev_size']} + {good['task.val_size']} leaves no training "
+                      f"problems: task 'add' has {total} with {p}task.num_digits = {n}")
+
+
 def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
   """`(coordinator_address, num_processes, process_id, init_timeout_s)`, checked on their own.
 
@@ -389,7 +452,8 @@ def validate(cfg: ConfigDict, num_devices: int,
   Args:
     cfg: the config to check.
     num_devices: number of devices the run will use (`jax.device_count()` in the caller).
-    task_names: known task names; `task.name` is not checked when None.
+    task_names: known task names. When None, `task.name` is not checked, nor what its tasks
+      need (lengths, split sizes, data file, warm-up demonstrations); `task.weights` still is.
     problems: problems already found (e.g. by `parse_overrides`), reported first.
 
   Returns:
@@ -463,6 +527,7 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   _check_loss(good, problems)
   _check_distributed(good, problems)
+  _check_task(good, problems, tasks_known=task_names is not None)
 
   if problems:
     raise ConfigError(problems)
