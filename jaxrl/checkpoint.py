@@ -169,6 +169,18 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
     return out.state, out.host
 
+  def read_host(self, step: int | None = None) -> tuple[int, dict]:
+    """`(step, host)` of `step` (None: the latest) without reading the arrays: the host dict
+    says what the state holds (e.g. the shapes of saved rollout batches), which the caller
+    needs to build the abstract target of `restore`."""
+    self.wait()
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    out = self._mngr.restore(int(step), args=ocp.args.Composite(host=ocp.args.JsonRestore()))
+    return int(step), out.host
+
   def close(self) -> None:
     """Waits for pending saves, then releases Orbax's threads."""
     self._mngr.close()

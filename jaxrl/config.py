@@ -137,6 +137,12 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
       "supported yet")),
     ("task.weights", (lambda v: v == "" or _floats_ok(v),
                       "'' (equal) or comma-separated numbers >= 0, not all 0")),
+    ("resume", (lambda v: v in ("auto", "none") or os.path.isdir(v),
+                "'auto', 'none' or an existing directory (a run directory or its "
+                "checkpoints/)")),
+    ("checkpoint.every", _ge(0)),
+    ("checkpoint.keep", _ge(1)),
+    ("train.max_skipped_updates", _ge(0)),
     ("dynamic_sampling.tol", _ge(0)),
     ("dynamic_sampling.max_gen_batches", _ge(1)),
     ("dynamic_sampling.reward_field", _one_of(set(REWARD_FIELDS))),

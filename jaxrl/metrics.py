@@ -28,10 +28,21 @@ class MetricsWriter:
   """Appends one JSON object per call to `<run_dir>/metrics.jsonl` (rows kept in memory only when
   `run_dir` is None: the processes of a multi-process run other than process 0)."""
 
-  def __init__(self, run_dir: str | None):
+  def __init__(self, run_dir: str | None, keep_lines: int | None = None):
+    """`keep_lines`: a resumed run's file is cut back to its first `keep_lines` lines (what was
+    written when the checkpoint was saved), which are loaded into `rows`."""
     self.path = None if run_dir is None else os.path.join(run_dir, "metrics.jsonl")
-    self._f = None if self.path is None else open(self.path, "a", buffering=1)
     self.rows: list[dict] = []
+    if self.path is not None and keep_lines is not None and os.path.exists(self.path):
+      with open(self.path) as f:
+        lines = f.read().splitlines()[:keep_lines]
+      if len(lines) < keep_lines:
+        raise ValueError(f"{self.path} has {len(lines)} lines, fewer than the {keep_lines} the "
+                         "checkpoint was saved after")
+      with open(self.path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+      self.rows = [json.loads(line) for line in lines]
+    self._f = None if self.path is None else open(self.path, "a", buffering=1)
 
   def write(self, row: dict) -> None:
     row = {k: _plain(v) for k, v in row.items()}

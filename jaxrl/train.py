@@ -8,6 +8,7 @@ message.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -54,10 +55,16 @@ def main(argv: list[str]) -> None:
     sys.exit(f"jaxrl: invalid config\n{e}")
   run_dir = cfg.run_dir or os.path.join(
       "runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  # SIGTERM (preemption) and SIGINT (Ctrl-C): checkpoint after the current step, exit 0.
+  stop = trainer.Stop()
+  signal.signal(signal.SIGTERM, stop.handler)
+  signal.signal(signal.SIGINT, stop.handler)
   try:
-    trainer.run(cfg, run_dir, mesh_shape)
+    trainer.run(cfg, run_dir, mesh_shape, stop=stop)
   except config_lib.ConfigError as e:
     sys.exit(f"jaxrl: invalid config\n{e}")
+  except trainer.TrainingHalted as e:
+    sys.exit(f"jaxrl: stopped: {e}")
 
 
 def run() -> None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxrl import checkpoint
 from jaxrl import config as config_lib
 from jaxrl import losses
 from jaxrl import metrics as metrics_lib
@@ -238,7 +239,10 @@ def rl_step_config(cfg) -> StepConfig:
                     logprob_impl=_logprob_impl(cfg))
 
 
-def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
+def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress,
+           stop=None) -> dict:
+  """Supervised warm-up; a stop signal ends it early (it is not checkpointed: a resumed run
+  starts from the first RL checkpoint, and a run stopped before one starts over)."""
   cfg = parts.cfg.sft
   if not cfg.enabled or cfg.max_steps == 0:
     return {"sft/steps": 0}
@@ -263,6 +267,11 @@ def warmup(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.P
     out.write(row)
     if steps % cfg.eval_every == 0 and acc >= cfg.stop_accuracy:
       break
+    if stop is not None and stop():
+      progress.newline()
+      progress.say(f"warm-up: stopped by signal at step {steps}; nothing saved (warm-up is "
+                   "not checkpointed)")
+      return {"sft/steps": steps, "sft/stopped": True}
   progress.newline()
   stopped = "reached" if acc >= cfg.stop_accuracy else "hit sft.max_steps before reaching"
   progress.say(f"warm-up: {steps} steps, {timer():.1f} s, dev accuracy {acc:.3f} ({stopped} "
@@ -409,10 +418,91 @@ class Rollouts:
 _REWARD_ARRAY = {"reward": "rewards"}
 
 
-def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress) -> dict:
+class Stop:
+  """Set by SIGTERM / SIGINT (preemption, Ctrl-C): the run checkpoints and exits cleanly.
+
+  The handler only records the signal; the trainer acts on it between steps. A second signal
+  restores the default handlers, so a second Ctrl-C interrupts at once.
+  """
+
+  def __init__(self):
+    self.signal: int | None = None
+
+  def __call__(self) -> bool:
+    return self.signal is not None
+
+  def handler(self, signum, frame) -> None:
+    import signal as signal_lib
+    if self.signal is not None:
+      signal_lib.signal(signal_lib.SIGINT, signal_lib.default_int_handler)
+      signal_lib.signal(signal_lib.SIGTERM, signal_lib.SIG_DFL)
+    self.signal = signum
+
+
+class TrainingHalted(RuntimeError):
+  """The run stopped itself (e.g. `train.max_skipped_updates`) after saving a checkpoint."""
+
+
+def _json_num(x):
+  """Numbers for a checkpoint's JSON: floats as repr strings (exact, NaN-safe), ints as is."""
+  return repr(float(x)) if isinstance(x, (float, np.floating)) else int(x)
+
+
+def _from_json_num(x):
+  return float(x) if isinstance(x, str) else x
+
+
+def _stored_fields(cfg) -> tuple[str, ...]:
+  return _train_fields(cfg) + ("policy_version",)
+
+
+def _ring_snapshot(parts: Parts, items: dict, fields) -> tuple[dict, dict]:
+  """The delivered, unpulled batches as (device arrays, JSON metadata), by batch id."""
+  arrays, host = {}, {}
+  for bid, item in items.items():
+    meta = item["meta"]
+    got = parts.data.get(meta, fields)
+    arrays[str(bid)] = got
+    host[str(bid)] = {"meta": meta.to_json(), "submit_version": item["submit_version"],
+                      "sample_time_s": item["sample_time_s"],
+                      "info": {k: _json_num(v) for k, v in item["info"].items()},
+                      "shapes": {f: [list(a.shape), a.dtype.str] for f, a in got.items()}}
+  return arrays, host
+
+
+def _ring_target(parts: Parts, host_ring: dict) -> dict:
+  rows = parallel.batch_sharding(parts.mesh)
+  return {bid: {f: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=rows)
+                for f, (shape, dtype) in h["shapes"].items()} for bid, h in host_ring.items()}
+
+
+def _ring_restore(parts: Parts, arrays: dict, host_ring: dict) -> dict[int, dict]:
+  """Puts checkpointed batches back in the data plane; returns their ring items by batch id."""
+  items = {}
+  for bid, h in host_ring.items():
+    meta = parts.data.put(BatchMeta.from_json(h["meta"]), arrays[bid])
+    items[int(bid)] = {"meta": meta, "submit_version": h["submit_version"],
+                       "sample_time_s": h["sample_time_s"],
+                       "info": {k: _from_json_num(v) for k, v in h["info"].items()}}
+  return items
+
+
+def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress, *,
+       ckpt: checkpoint.Checkpointer | None = None, resume: tuple | None = None,
+       warm: dict | None = None, stop=None) -> dict:
+  """GRPO for `train.steps` steps (see the module docstring).
+
+  Checkpoints (`ckpt`, every `checkpoint.every` steps, at the end, on a stop signal and when
+  `train.max_skipped_updates` halts the run) hold the train state, the rollout batches already
+  made for later steps (the lag ring), the rollout RNG and counters, the metrics line count and
+  the validation results so far, so `resume = (reader, step, host)` continues exactly as if the
+  run had not stopped. Before a save every validation pass in flight is finished and logged and
+  the rollout worker is left idle with the ring full.
+  """
   cfg = parts.cfg
-  r, t, v = cfg.rollout, cfg.train, cfg.val
+  r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
   P, G = r.num_prompts, r.group_size
+  stop = stop or (lambda: False)
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
   step_cfg = rl_step_config(cfg)
@@ -424,19 +514,43 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   validator = Validator(lambda step, params: parts.validate(params),
                         asynchronous=v.asynchronous and jax.process_count() == 1,
                         max_wait_s=v.max_wait_s)
-  val_rows: dict[int, dict] = {}
+  val_acc: dict[int, float] = {}
 
   def log_validation(results):
     for vstep, m in results:
-      val_rows[vstep] = m
+      val_acc[vstep] = m["val/accuracy"]
       out.write({"phase": "val", "step": vstep, **m})
 
-  ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
-  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}{ds}")
   timer = metrics_lib.Timer()
   gate = LagGate(L, r.stall_timeout_s)
   rollouts = Rollouts(parts, gate)
   handoff = ParamsHandoff()
+  skipped = 0
+  start = 0
+  if resume is not None:
+    reader, start, host = resume
+    restored, _ = reader.restore(start, {"train": state,
+                                         "ring": _ring_target(parts, host["ring"])})
+    state = restored["train"]
+    gate.restore(host["gate"], _ring_restore(parts, restored["ring"], host["ring"]))
+    rollouts.rng = checkpoint.restore_numpy_rng(host["rng"])
+    rollouts.next_group = host["next_group"]
+    val_acc = {int(k): _from_json_num(a) for k, a in host["val_accuracy"].items()}
+    skipped = host["skipped_updates"]
+    progress.say(f"resumed from step {start} ({reader.directory})")
+
+  def save(step: int) -> None:
+    if ckpt is None:
+      return
+    log_validation(validator.wait())  # every pass up to `step` is in the metrics first
+    ring_arrays, ring_host = _ring_snapshot(parts, gate.quiesce(r.stall_timeout_s),
+                                            _stored_fields(cfg))
+    host = {"step": step, "rng": checkpoint.numpy_rng_state(rollouts.rng),
+            "next_group": rollouts.next_group, "gate": gate.checkpoint_state(),
+            "ring": ring_host, "metrics_lines": len(out.rows),
+            "val_accuracy": {str(k): _json_num(a) for k, a in val_acc.items()},
+            "skipped_updates": skipped, "warmup": warm or {}}
+    ckpt.save(step, {"train": state, "ring": ring_arrays}, host)
 
   def publish(version):
     # Published params are copies: the train step donates its own buffers, and the worker (or a
@@ -445,12 +559,15 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     handoff.publish(version, params)
     return params
 
-  p0 = publish(0)
-  if v.at_start:
-    validator.submit(0, p0)
+  ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
+  progress.say(f"RL: {t.steps} GRPO steps of {P} prompts x {G} samples, lag {L}{ds}")
+  published = publish(start)
+  if start == 0 and v.at_start:
+    validator.submit(0, published)
+  stopped_at = None
   try:
     with RolloutWorker(gate, handoff, rollouts.produce, L):
-      for step in range(1, t.steps + 1):
+      for step in range(start + 1, t.steps + 1):
         st = metrics_lib.Timer()
         batch_id, item = gate.pull()
         consumer = step - 1  # versions published so far: one per completed train step
@@ -462,6 +579,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
         m = parallel.distributed.fetch(m)
         del batch
         parts.data.discard(meta)  # the step consumed these rows
+        skipped += int(m["skipped_nonfinite"])
         published = publish(step)
         if step % v.every == 0 or (v.at_end and step == t.steps):
           validator.submit(step, published)
@@ -481,6 +599,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
                "env/turns/mean": float(meta.tags["turns"].mean()),
                **{f"env/{k}_frac": float(meta.tags[k].sum()) / n
                   for k in ("terminated", "truncated", "failed")}, **m,
+               "train/skipped_updates": skipped,
                **staleness_from_rows({k: meta.tags[f"version/{k}"]
                                       for k in ("first", "last", "mean")}, consumer),
                **{f"pipeline/{k}": v for k, v in pipe.items()},
@@ -491,19 +610,31 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
                "perf/gen_tokens_per_s": float(meta.lengths.sum()) / dt}
         out.write(row)
         log_validation(validator.poll())
-        acc = val_rows[max(val_rows)]["val/accuracy"] if val_rows else float("nan")
+        acc = val_acc[max(val_acc)] if val_acc else float("nan")
         progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
                         f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
-    log_validation(validator.wait())
+        halt = t.max_skipped_updates and skipped > t.max_skipped_updates
+        if (c.every and step % c.every == 0) or step == t.steps or stop() or halt:
+          save(step)
+        if halt:
+          raise TrainingHalted(
+              f"{skipped} updates were skipped for non-finite gradients, more than "
+              f"train.max_skipped_updates={t.max_skipped_updates}; checkpoint of step {step} "
+              "saved. Check the rewards and the learning rate, then resume.")
+        if stop():
+          stopped_at = step
+          break
+    if stopped_at is None:
+      log_validation(validator.wait())
   finally:
     validator.close()
     parts.data.clear("train")  # batches still in the ring when the run ends or fails
   progress.newline()
   parts.params = state.params
-  first = val_rows.get(0, {}).get("val/accuracy", float("nan"))
-  last = val_rows[max(val_rows)]["val/accuracy"] if val_rows else float("nan")
+  first = val_acc.get(0, float("nan"))
+  last = val_acc[max(val_acc)] if val_acc else float("nan")
   return {"val/accuracy_before_rl": first, "val/accuracy_after_rl": last,
-          "rl/time_s": timer(), "rl/steps": t.steps}
+          "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at}
 
 
 def _nanmean(x) -> float:
@@ -518,32 +649,63 @@ def _read_batch(data: DataPlane, meta: BatchMeta, fields: tuple[str, ...]) -> Tr
   return TrainBatch(**{f: arrays.get(f) for f in TrainBatch._fields})
 
 
-def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape) -> dict:
-  """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json.
+def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None) -> dict:
+  """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json, and
+  checkpoints under `<run_dir>/checkpoints`.
 
+  `resume` (auto | none | a path) picks a checkpoint to continue from: the run then skips the
+  warm-up, and, when the checkpoint is this run directory's own, cuts `metrics.jsonl` back to
+  the lines written when it was saved, so the resumed run's metrics continue the file exactly.
   With several processes every process runs this whole function (the same computations in the
-  same order); only process 0 prints and writes files.
+  same order); only process 0 prints and writes files. `stop()` true (a signal) makes the run
+  checkpoint and return early with `rl/stopped_at` set.
   """
   total = metrics_lib.Timer()
   main = parallel.distributed.is_main()
+  own_dir = checkpoint.checkpoint_dir(run_dir)
+  resume_dir = checkpoint.resolve_resume(cfg.resume, run_dir)
+  c = cfg.checkpoint
+  ckpt = checkpoint.Checkpointer(own_dir, keep=c.keep, async_save=c.async_save)
+  resume = None
+  keep_lines = None
+  if resume_dir is not None:
+    same = os.path.abspath(resume_dir) == os.path.abspath(own_dir)
+    reader = ckpt if same else checkpoint.Checkpointer(resume_dir, read_only=True)
+    rstep, host = reader.read_host()
+    resume = (reader, rstep, host)
+    keep_lines = host["metrics_lines"] if same else None
   if main:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=2)
   quiet = None if main else open(os.devnull, "w")
   progress = metrics_lib.Progress(stream=quiet, every=cfg.log_every)
-  out = metrics_lib.MetricsWriter(run_dir if main else None)
+  out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=keep_lines)
   try:
     parts = Parts(cfg, mesh_shape)
     n_params = sum(x.size for x in jax.tree.leaves(parts.params))
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
                  f"{jax.devices()[0].platform}")
-    summary = {**warmup(parts, out, progress), **rl(parts, out, progress)}
+    if resume is not None:
+      warm = {k: _from_json_num(x) for k, x in resume[2]["warmup"].items()}
+    else:
+      warm = warmup(parts, out, progress, stop)
+      if warm.get("sft/stopped"):
+        return warm
+    summary = {**warm, **rl(parts, out, progress, ckpt=ckpt, resume=resume,
+                            warm={k: _json_num(x) for k, x in warm.items()}, stop=stop)}
+    if summary["rl/stopped_at"] is not None:
+      progress.say(f"stopped by signal after step {summary['rl/stopped_at']}: checkpoint saved in "
+                   f"{own_dir}; continue with --config.run_dir={run_dir} (resume=auto)")
+      return summary
     summary["val/rl_gain"] = summary["val/accuracy_after_rl"] - summary["val/accuracy_before_rl"]
     summary["total_time_s"] = total()
     out.write({"phase": "summary", **summary})
   finally:
+    ckpt.close()
+    if resume is not None and resume[0] is not ckpt:
+      resume[0].close()
     out.close()
     if quiet is not None:
       quiet.close()

@@ -19,6 +19,14 @@ def get_config() -> ConfigDict:
   c.seed = 0  # one seed for init, data order and sampling
   c.run_dir = ""  # explicit run directory; "" means ./runs/<name>-<timestamp>
   c.log_every = 10  # progress line / console print period in steps (metrics.jsonl gets every step)
+  # Continue from a checkpoint: "auto" (the run directory's latest, if any), "none", or a path
+  # (a run directory or its checkpoints/ directory).
+  c.resume = "auto"
+
+  c.checkpoint = ConfigDict()
+  c.checkpoint.every = 100  # RL steps between checkpoints (also at the end and on SIGTERM/SIGINT)
+  c.checkpoint.keep = 2  # newest checkpoints kept
+  c.checkpoint.async_save = True  # write in the background while training goes on
 
   c.model = ConfigDict()
   c.model.vocab_size = 0  # 0: taken from the task's tokenizer
@@ -92,6 +100,8 @@ def get_config() -> ConfigDict:
   c.train.weight_decay = 0.0
   c.train.grad_clip = 1.0  # global-norm clip
   c.train.num_microbatches = 1  # gradient accumulation over a fixed number of micro-batches
+  # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
+  c.train.max_skipped_updates = 0
 
   c.advantage = ConfigDict()
   c.advantage.estimator = "grpo"  # grpo | dr_grpo | rloo (jaxrl.losses.advantages)

@@ -55,6 +55,12 @@ def _frozen(x, dtype=None) -> np.ndarray:
   return a
 
 
+def _json_scalar(x):
+  if isinstance(x, float) and not np.isfinite(x):
+    return repr(x)  # "nan", "inf", "-inf": float() reads them back
+  return x
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchMeta:
   """Host-side metadata of rows in one partition; the rows' arrays live in a DataPlane.
@@ -108,6 +114,23 @@ class BatchMeta:
 
   def __len__(self) -> int:
     return len(self.keys)
+
+  def to_json(self) -> dict:
+    """A JSON-safe dict (checkpoints); `from_json` restores an equal meta, bit for bit: floats
+    round-trip through `repr`, and non-finite values are spelled "nan" / "inf" / "-inf"."""
+    return {"partition": self.partition, "keys": list(self.keys),
+            "group_ids": self.group_ids.tolist(), "lengths": self.lengths.tolist(),
+            "versions": self.versions.tolist(),
+            "tags": {k: {"dtype": v.dtype.str, "values": [_json_scalar(x) for x in v.tolist()]}
+                     for k, v in self.tags.items()}}
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> BatchMeta:
+    tags = {k: np.asarray([float(x) if isinstance(x, str) else x for x in t["values"]],
+                          np.dtype(t["dtype"]))
+            for k, t in d["tags"].items()}
+    return cls(d["partition"], tuple(d["keys"]), np.asarray(d["group_ids"], np.int64),
+               np.asarray(d["lengths"], np.int32), np.asarray(d["versions"], np.int32), tags)
 
   def _take(self, idx: np.ndarray) -> BatchMeta:
     return BatchMeta(self.partition, tuple(self.keys[i] for i in idx.tolist()),

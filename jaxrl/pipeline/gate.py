@@ -201,6 +201,58 @@ class LagGate:
       self._closed = True
       self._cond.notify_all()
 
+  # -- checkpoints ---------------------------------------------------------------------------
+
+  def quiesce(self, timeout: float) -> dict[int, object]:
+    """Waits until the ring is full and every reserved batch is delivered; returns the delivered,
+    unpulled items by batch id.
+
+    The worker is then blocked in `reserve()` and produces nothing (its RNG does not move) until
+    the trainer's next pull: the state a checkpoint needs. Raises WorkerFailed if the worker
+    died, PipelineClosed after `close()`, StallError after `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with self._cond:
+      while True:
+        self._raise_if_failed()
+        if self._closed:
+          raise PipelineClosed("pipeline closed")
+        if self._submitted - self._freed >= self.capacity and self._completed == self._submitted:
+          return dict(self._ready)
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise StallError(f"the rollout worker did not finish its reserved batches within "
+                           f"{timeout:g} s for a checkpoint; gate: {self._stats_locked()}")
+        self._cond.wait(min(_POLL_S, left))
+
+  def checkpoint_state(self) -> dict:
+    """The counters a resumed gate needs (JSON); pair with `quiesce()`'s items."""
+    with self._cond:
+      return {"submitted": self._submitted, "freed": self._freed, "consumed": self._consumed,
+              "completed": self._completed, "max_held": self._max_held,
+              "counters": dict(self._counters)}
+
+  def restore(self, state: dict, ready: dict[int, object]) -> None:
+    """Puts a fresh gate (before its worker starts) where a checkpointed one was: the worker's
+    next `reserve()` returns the next batch id, and `ready` (the delivered, unpulled batches)
+    is pulled first, in order."""
+    with self._cond:
+      if self._submitted or self._consumed:
+        raise RuntimeError("LagGate.restore() needs a fresh gate")
+      want = set(range(state["consumed"], state["submitted"]))
+      if set(ready) != want:
+        raise ValueError(f"restore: ready batches {sorted(ready)} != the reserved, unpulled "
+                         f"{sorted(want)}")
+      self._submitted, self._freed = state["submitted"], state["freed"]
+      self._consumed, self._completed = state["consumed"], state["completed"]
+      self._max_held = state["max_held"]
+      self._counters = dict(state["counters"])
+      self._ready = dict(ready)
+      self._delivered_ids = set(ready)
+      self._last_progress = time.monotonic()
+      self._check()
+      self._cond.notify_all()
+
   @property
   def closed(self) -> bool:
     with self._cond:
