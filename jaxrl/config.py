@@ -140,6 +140,7 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("resume", (lambda v: v in ("auto", "none") or os.path.isdir(v),
                 "'auto', 'none' or an existing directory (a run directory or its "
                 "checkpoints/)")),
+    ("data.on_bad_row", _one_of({"skip", "raise"})),
     ("checkpoint.every", _ge(0)),
     ("checkpoint.keep", _ge(1)),
     ("train.max_skipped_updates", _ge(0)),

@@ -180,6 +180,9 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
       "grad_norm": grad_norm,
       "tokens": jnp.sum(batch.mask).astype(jnp.float32),
       "skipped_nonfinite": (~finite).astype(jnp.int32),
+      # A NaN reward gives its whole group no advantage (the group's spread is undefined); an
+      # infinite one makes the gradient non-finite, so the update is skipped. Both are counted.
+      "nonfinite_rewards": jnp.sum(~jnp.isfinite(batch.rewards) & valid).astype(jnp.int32),
       "advantage/abs_mean": adv_sum / jnp.maximum(adv_n, 1.0),
   }
   return new_state, metrics

@@ -33,7 +33,7 @@ from jaxrl import losses
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.data import left_pad
-from jaxrl.data.sources import MixedSource
+from jaxrl.data.sources import CheckedSource, MixedSource
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make_env
 from jaxrl.models import ModelConfig, init_model
@@ -87,19 +87,21 @@ class Parts:
   def __init__(self, cfg: ConfigDict, mesh_shape: config_lib.MeshShape):
     self.cfg = cfg
     r = cfg.rollout
-    self.source = make_source(cfg)
+    source = make_source(cfg)
     # The arithmetic task keeps its demonstrations (warm-up) and `dev` split (warm-up stop rule).
-    self.task = getattr(self.source, "task", None)
-    self.tok = CharTokenizer(self.source.alphabet)
+    self.task = getattr(source, "task", None)
+    self.tok = CharTokenizer(source.alphabet)
     self.envs = {name: make_env(name) for name in cfg.task.name.split("+")}
+    # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with
+    # the row named, by data.on_bad_row; the validation split is checked here, before compiling.
+    self.source = CheckedSource(source, self._row_problem, cfg.data.on_bad_row)
     problems = []
     if self.task is not None and self.task.max_answer_tokens > r.max_new_tokens:
       problems.append(f"config.rollout.max_new_tokens: task {cfg.task.name!r} answers need up to "
                       f"{self.task.max_answer_tokens} tokens, got {r.max_new_tokens}")
-    longest = max(len(self.tok.encode(x.prompt)) for x in self.source.split("val"))
-    if longest > r.max_prompt_len:
-      problems.append(f"config.rollout.max_prompt_len: task {cfg.task.name!r} prompts have up to "
-                      f"{longest} tokens, got {r.max_prompt_len}")
+    if not self.source.split("val"):
+      problems.append(f"config.task.name: task {cfg.task.name!r} has no usable validation rows "
+                      f"(skipped: {self.source.skipped})")
     if cfg.sft.enabled and cfg.sft.max_steps and self.task is None:
       problems.append(f"config.sft.enabled: task {cfg.task.name!r} has no demonstrations for the "
                       "supervised warm-up; set it to false")
@@ -131,6 +133,21 @@ class Parts:
                           sample_next, fetch, cfg.env.timeout_s)
     self.val_loop = MultiTurn(self.tok, self.envs, self.budget, cfg.val.samples_per_prompt,
                               self.sample_val, sample_next, fetch, cfg.env.timeout_s)
+
+  def _row_problem(self, task) -> tuple[str, str] | None:
+    """What makes a task row unusable, as (reason, detail), or None."""
+    if task.env not in self.envs:
+      return "unknown_task", f"task {task.env!r} is not one of {sorted(self.envs)}"
+    if not task.prompt.strip():
+      return "empty_prompt", "the prompt is empty"
+    try:
+      n = len(self.tok.encode(task.prompt))
+    except ValueError as e:
+      return "undecodable", str(e)
+    if n > self.cfg.rollout.max_prompt_len:
+      return "too_long", (f"{n} prompt tokens, over rollout.max_prompt_len="
+                          f"{self.cfg.rollout.max_prompt_len}")
+    return None
 
   # ---- batches -------------------------------------------------------------------------------
 
@@ -600,6 +617,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
                **{f"env/{k}_frac": float(meta.tags[k].sum()) / n
                   for k in ("terminated", "truncated", "failed")}, **m,
                "train/skipped_updates": skipped,
+               **{f"data/skipped/{k}": n for k, n in parts.source.skipped.items()},
                **staleness_from_rows({k: meta.tags[f"version/{k}"]
                                       for k in ("first", "last", "mean")}, consumer),
                **{f"pipeline/{k}": v for k, v in pipe.items()},

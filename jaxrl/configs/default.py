@@ -56,6 +56,12 @@ def get_config() -> ConfigDict:
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
   c.task.val_size = 1000  # held-out split used only for reported accuracy
 
+  c.data = ConfigDict()
+  # A task row with an empty prompt, a prompt over rollout.max_prompt_len, text the tokenizer
+  # cannot encode, or an unknown task: "skip" (counted as data/skipped/<reason>) or "raise"
+  # (an error naming the row).
+  c.data.on_bad_row = "skip"
+
   c.sft = ConfigDict()
   c.sft.enabled = True
   c.sft.learning_rate = 1e-3

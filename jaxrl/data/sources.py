@@ -117,3 +117,61 @@ class MixedSource:
         for i, task in zip(rows, source.sample(rng, int(rows.size))):
           out[i] = task
     return out  # type: ignore[return-value]
+
+
+class BadRow(ValueError):
+  """A task row that cannot be used (`data.on_bad_row = "raise"`); the message names the row."""
+
+
+class CheckedSource:
+  """A source whose rows are checked before use: bad ones are skipped and counted, or raise.
+
+  `check(task) -> reason | None` names what is wrong with a row (e.g. "empty_prompt",
+  "too_long", "undecodable", "unknown_task"). With `on_bad_row="skip"`, `sample` draws a
+  replacement for every bad draw (from the same RNG, so the stream stays deterministic) and
+  `split` leaves bad rows out; `skipped` counts them by reason. With "raise", the first bad row
+  raises BadRow naming its uid, the reason and the detail. Nothing is silently truncated: a
+  prompt over the budget is skipped or raises, never cut.
+  """
+
+  def __init__(self, source, check, on_bad_row: str = "skip", max_redraws: int = 1000):
+    if on_bad_row not in ("skip", "raise"):
+      raise ValueError(f"data.on_bad_row must be 'skip' or 'raise', got {on_bad_row!r}")
+    self.source, self.check, self.on_bad_row = source, check, on_bad_row
+    self.max_redraws = max_redraws
+    self.name, self.alphabet = source.name, source.alphabet
+    self.skipped: dict[str, int] = {}
+    self._splits: dict[str, list[Task]] = {}
+
+  def __getattr__(self, name):  # e.g. the `add` source's `task` (demonstrations)
+    return getattr(self.source, name)
+
+  def _bad(self, task: Task, where: str) -> bool:
+    found = self.check(task)
+    if found is None:
+      return False
+    reason, detail = found if isinstance(found, tuple) else (found, "")
+    if self.on_bad_row == "raise":
+      raise BadRow(f"{where} row {task.uid!r}: {reason}{': ' + detail if detail else ''} "
+                   "(data.on_bad_row=skip skips and counts such rows)")
+    self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    return True
+
+  def split(self, name: str) -> list[Task]:
+    if name not in self._splits:
+      self._splits[name] = [t for t in self.source.split(name) if not self._bad(t, name)]
+    return list(self._splits[name])
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+    out = []
+    redraws = 0
+    while len(out) < n:
+      for t in self.source.sample(rng, n - len(out)):
+        if not self._bad(t, "train"):
+          out.append(t)
+        else:
+          redraws += 1
+      if redraws > self.max_redraws * n:
+        raise BadRow(f"source {self.name!r}: over {self.max_redraws} bad rows drawn per good "
+                     f"row; skipped so far: {self.skipped}")
+    return out

@@ -1,0 +1,189 @@
+"""Bad data and non-finite values: bad task rows are skipped and counted or raise naming the row;
+non-finite log-probs skip the update (counted) and training continues; a NaN or infinite reward
+zeroes its group's advantage (counted) without poisoning the update; the
+`train.max_skipped_updates` cap stops the run with a checkpoint and a clear message."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, trainer
+from jaxrl.configs.default import get_config
+from jaxrl.data.sources import BadRow, CheckedSource
+from jaxrl.envs.base import Task
+
+
+class ListSource:
+  name, alphabet = "fake", "ab"
+
+  def __init__(self, train, val=()):
+    self._splits = {"train": list(train), "val": list(val)}
+
+  def split(self, name):
+    return list(self._splits[name])
+
+  def sample(self, rng, n):
+    rows = self._splits["train"]
+    return [rows[i] for i in rng.integers(len(rows), size=n)]
+
+
+def _check(task):
+  if not task.prompt:
+    return "empty_prompt", "the prompt is empty"
+  if len(task.prompt) > 3:
+    return "too_long", f"{len(task.prompt)} > 3"
+  return None
+
+
+def _rows(prompts, split="train"):
+  return [Task("add", p, {}, f"{split}/{i}") for i, p in enumerate(prompts)]
+
+
+def test_skip_counts_and_redraws_deterministically():
+  src = ListSource(_rows(["ab", "", "abcdef", "ba"]), _rows(["a", "", "b"], "val"))
+  checked = CheckedSource(src, _check, "skip")
+  assert [t.prompt for t in checked.split("val")] == ["a", "b"]
+  assert checked.skipped == {"empty_prompt": 1}
+  a = checked.sample(np.random.default_rng(0), 50)
+  assert len(a) == 50 and all(t.prompt in ("ab", "ba") for t in a)
+  assert checked.skipped["empty_prompt"] > 1 and checked.skipped["too_long"] > 0
+  again = CheckedSource(src, _check, "skip").sample(np.random.default_rng(0), 50)
+  assert [t.uid for t in again] == [t.uid for t in a]
+
+
+def test_raise_names_the_row_and_reason():
+  checked = CheckedSource(ListSource(_rows(["ab", "abcdef"])), _check, "raise")
+  with pytest.raises(BadRow, match=r"train row 'train/1': too_long: 6 > 3"):
+    for seed in range(20):
+      checked.sample(np.random.default_rng(seed), 4)
+  with pytest.raises(BadRow, match="val row 'val/0': empty_prompt"):
+    CheckedSource(ListSource([], _rows([""], "val")), _check, "raise").split("val")
+
+
+def test_all_bad_rows_stop_with_an_error_not_a_hang():
+  checked = CheckedSource(ListSource(_rows(["", "abcdef"])), _check, "skip", max_redraws=5)
+  with pytest.raises(BadRow, match="over 5 bad rows drawn per good row"):
+    checked.sample(np.random.default_rng(0), 2)
+
+
+def _tiny_cfg(**over):
+  cfg = get_config()
+  cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
+  cfg.sft.enabled = False
+  cfg.train.steps = 6
+  cfg.rollout.num_prompts = 4
+  cfg.val.at_start = cfg.val.at_end = False
+  cfg.val.every = 100
+  cfg.task.dev_size = cfg.task.val_size = 16
+  cfg.val.batch_size = 16
+  for k, v in over.items():
+    section, key = k.split("__")
+    cfg[section][key] = v
+  return cfg
+
+
+def _parts(cfg):
+  return trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count()))
+
+
+def test_row_checks_name_each_reason():
+  parts = _parts(_tiny_cfg())
+  check = parts._row_problem
+  assert check(Task("add", "12+34=", {}, "ok")) is None
+  assert check(Task("countdown", "12+34=", {}, "x"))[0] == "unknown_task"
+  assert check(Task("add", "  ", {}, "x"))[0] == "empty_prompt"
+  assert check(Task("add", "12+3é=", {}, "x"))[0] == "undecodable"
+  assert check(Task("add", "1234+5678=", {}, "x")) == (
+      "too_long", "10 prompt tokens, over rollout.max_prompt_len=6")
+
+
+class _Injecting:
+  """Wraps a source: every 4th draw is a row with a prompt over the budget."""
+
+  def __init__(self, source):
+    self.source, self.name, self.alphabet, self.n = source, source.name, source.alphabet, 0
+
+  def split(self, name):
+    return self.source.split(name)
+
+  def sample(self, rng, n):
+    out = []
+    for t in self.source.sample(rng, n):
+      self.n += 1
+      out.append(Task(t.env, t.prompt * 3, t.data, t.uid + "-long") if self.n % 4 == 0 else t)
+    return out
+
+
+def _run(parts, tmp_path, ckpt=None):
+  out = metrics_lib.MetricsWriter(str(tmp_path))
+  try:
+    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt)
+  finally:
+    out.close()
+  return [r for r in out.rows if r["phase"] == "rl"]
+
+
+def test_bad_rows_in_training_are_skipped_and_counted(tmp_path):
+  parts = _parts(_tiny_cfg())
+  parts.source.source = _Injecting(parts.source.source)
+  rl = _run(parts, tmp_path)
+  assert len(rl) == 6
+  counts = [r.get("data/skipped/too_long", 0) for r in rl]
+  assert counts[-1] > 0 and counts == sorted(counts)  # cumulative, growing
+
+
+def _poison(monkeypatch, steps, what):
+  """Makes the train batch of the given (1-based) steps non-finite."""
+  read = trainer._read_batch
+  calls = {"n": 0}
+
+  def read_batch(data, meta, fields):
+    batch = read(data, meta, fields)
+    calls["n"] += 1
+    if calls["n"] in steps:
+      if what in ("inf_reward", "nan_reward"):
+        value = np.inf if what == "inf_reward" else np.nan
+        batch = batch._replace(rewards=batch.rewards.at[0].set(value))
+      else:  # non-finite sampler log-probs: the rollout-KL term (and its gradient) is NaN
+        batch = batch._replace(rollout_logprobs=batch.rollout_logprobs * np.nan)
+    return batch
+
+  monkeypatch.setattr(trainer, "_read_batch", read_batch)
+
+
+def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path, monkeypatch):
+  parts = _parts(_tiny_cfg(rollout_kl__coef=0.1))
+  _poison(monkeypatch, {3}, "logprobs")
+  rl = _run(parts, tmp_path)
+  assert [r["skipped_nonfinite"] for r in rl] == [0, 0, 1, 0, 0, 0]
+  assert [r["train/skipped_updates"] for r in rl] == [0, 0, 1, 1, 1, 1]
+  assert rl[2]["grad_norm"] is None  # NaN, written to metrics.jsonl as null
+  assert all(np.isfinite(r["grad_norm"]) for i, r in enumerate(rl) if i != 2)
+
+
+@pytest.mark.parametrize("what", ["nan_reward", "inf_reward"])
+def test_non_finite_reward_zeroes_its_group_and_is_counted(tmp_path, monkeypatch, what):
+  # A non-finite reward leaves its group's spread undefined (NaN, or inf - inf), so the group
+  # gets no advantage, like a zero-variance group; the other groups' update goes ahead, finite.
+  parts = _parts(_tiny_cfg())
+  _poison(monkeypatch, {3}, what)
+  rl = _run(parts, tmp_path)
+  assert [r["nonfinite_rewards"] for r in rl] == [0, 0, 1, 0, 0, 0]
+  assert all(r["skipped_nonfinite"] == 0 and np.isfinite(r["loss"]) for r in rl)
+
+
+def test_skip_cap_stops_with_a_checkpoint(tmp_path, monkeypatch):
+  parts = _parts(_tiny_cfg(train__max_skipped_updates=1, rollout_kl__coef=0.1))
+  _poison(monkeypatch, {2, 3}, "logprobs")
+  ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "ckpt"), async_save=False)
+  with pytest.raises(trainer.TrainingHalted,
+                     match=r"2 updates were skipped .* train.max_skipped_updates=1; checkpoint "
+                           r"of step 3 saved"):
+    _run(parts, tmp_path, ckpt)
+  assert ckpt.latest_step() == 3
+  ckpt.close()
