@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 from jaxrl import plotting
 
@@ -158,6 +160,7 @@ def _check_filtered_batches(rl, group_size=8):
   assert sum(r["dynamic_sampling/dropped_groups"] for r in rl) > 0  # the filter did act
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_lag_two_keeps_staleness_exact(tmp_path):
   # 30 steps, lag 2, filtering on: dropped groups are re-sampled into their own slot, so the
   # ring never loses a slot (no deadlock) and staleness stays exactly min(batch, 2).
@@ -180,6 +183,7 @@ def test_dynamic_sampling_with_lag_two_keeps_staleness_exact(tmp_path):
   assert rl[-1]["pipeline/filtered"] >= sum(r["dynamic_sampling/dropped_groups"] for r in rl)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_synchronous_pending_cache(tmp_path):
   run_dir = tmp_path / "out"
   args = _tiny(300, 8, 8, *_ONE_DIGIT, f"--config.run_dir={run_dir}")

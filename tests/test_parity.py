@@ -91,6 +91,7 @@ def _check_nontrivial(rows: list[dict]) -> None:
   assert all(r["grad_norm"] > 0 for r in rl if r["reward/mixed_groups"] > 0)
 
 
+@pytest.mark.slow
 def test_one_device_vs_eight_devices(tmp_path):
   one, eight = tmp_path / "one", tmp_path / "eight"
   procs = [_start(one, 1), _start(eight, 8, MESH8)]

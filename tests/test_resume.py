@@ -113,6 +113,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, lag):
   _assert_same(_rows(base_dir), _rows(cut_dir))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
   run_dir = tmp_path / "run"
   args = _args(run_dir, 1, "--config.checkpoint.every=100")
@@ -139,6 +140,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
       assert r["staleness/first_token/max"] == min(r["batch_id"], 1)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_one_device_continues_on_eight(tmp_path):
   run_dir = tmp_path / "run"
   first = _args(run_dir, 0)

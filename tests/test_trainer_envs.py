@@ -10,6 +10,7 @@ import threading
 import time
 
 import jax
+import pytest
 
 from jaxrl import config as config_lib, metrics as metrics_lib, trainer
 from jaxrl.configs.default import get_config
@@ -17,6 +18,7 @@ from jaxrl.configs.default import get_config
 from test_cli import _rl_rows, _tiny, _train
 
 
+@pytest.mark.slow
 def test_multi_turn_guess_trains_with_lag_one(tmp_path):
   # Guess (multi-turn) mixed per row with add (single turn), 3:1.
   run_dir = tmp_path / "out"
