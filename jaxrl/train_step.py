@@ -9,8 +9,9 @@
 - Trainer log-probs and entropy come from the fused kernel (`jaxrl.kernels.fused_logprob`,
   `xla` on CPU, `pallas` on TPU/GPU): the `[B, N, V]` logits are never materialised.
 - Advantages are computed over the whole batch before it is split, so a group may straddle
-  micro-batches; rows with no loss token count as failed samples (advantage 0, excluded from
-  their group's statistics).
+  micro-batches; rows with no loss token or a non-finite reward count as failed samples
+  (advantage 0, excluded from their group's statistics; non-finite rewards are counted in
+  `nonfinite_rewards`).
 - The reference model (for the reference-KL term) lives in `TrainState.ref_params` and exists
   only when `objective.ref_kl_coef != 0`.
 - A batch missing a field the objective needs (`rollout_logprobs` for corrections, rollout KL
@@ -138,7 +139,10 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
   """Pure step; see the module docstring. `row_sharding` constrains each micro-batch's rows."""
   m = cfg.num_microbatches
   clip = cfg.adv_clip
-  valid = jnp.any(batch.mask, axis=-1)
+  has_tokens = jnp.any(batch.mask, axis=-1)
+  # A row with a non-finite reward is excluded like a failed sample: advantage 0, out of its
+  # group's statistics, so it can neither poison the gradient nor silence its group.
+  valid = has_tokens & jnp.isfinite(batch.rewards)
   advantages = losses.compute_advantages(
       cfg.advantage, batch.rewards, batch.group_id, valid, eps=cfg.adv_eps,
       clip_low=None if clip is None else -clip, clip_high=clip)
@@ -180,9 +184,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
       "grad_norm": grad_norm,
       "tokens": jnp.sum(batch.mask).astype(jnp.float32),
       "skipped_nonfinite": (~finite).astype(jnp.int32),
-      # A NaN reward gives its whole group no advantage (the group's spread is undefined); an
-      # infinite one makes the gradient non-finite, so the update is skipped. Both are counted.
-      "nonfinite_rewards": jnp.sum(~jnp.isfinite(batch.rewards) & valid).astype(jnp.int32),
+      "nonfinite_rewards": jnp.sum(~jnp.isfinite(batch.rewards) & has_tokens).astype(jnp.int32),
       "advantage/abs_mean": adv_sum / jnp.maximum(adv_n, 1.0),
   }
   return new_state, metrics

@@ -1,6 +1,6 @@
 """Bad data and non-finite values: bad task rows are skipped and counted or raise naming the row;
-non-finite log-probs skip the update (counted) and training continues; a NaN or infinite reward
-zeroes its group's advantage (counted) without poisoning the update; the
+non-finite log-probs skip the update (counted) and training continues; a row with a NaN or infinite
+reward is excluded like a failed sample (counted) without poisoning the update; the
 `train.max_skipped_updates` cap stops the run with a checkpoint and a clear message."""
 
 from __future__ import annotations
@@ -166,9 +166,9 @@ def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path, m
   assert all(np.isfinite(r["grad_norm"]) for i, r in enumerate(rl) if i != 2)
 
 
-def test_non_finite_rewards_zero_their_group_and_are_counted(tmp_path, monkeypatch):
-  # A non-finite reward leaves its group's spread undefined (NaN, or inf - inf), so the group
-  # gets no advantage, like a zero-variance group; the other groups' update goes ahead, finite.
+def test_non_finite_rewards_are_excluded_and_counted(tmp_path, monkeypatch):
+  # A row with a NaN or infinite reward is excluded like a failed sample (advantage 0, out of
+  # its group's statistics); the update goes ahead, finite.
   parts = _parts(_tiny_cfg())
   _poison(monkeypatch, {3}, "nan_reward")
   read = trainer._read_batch
@@ -189,3 +189,14 @@ def test_skip_cap_stops_with_a_checkpoint(tmp_path, monkeypatch):
     _run(parts, tmp_path, ckpt)
   assert ckpt.latest_step() == 3
   ckpt.close()
+
+
+def test_non_finite_reward_row_leaves_its_group_signal_intact():
+  # Group 0: rewards [nan, 1, 0, 0] -> the NaN row is dropped and [1, 0, 0] keeps its signal:
+  # mean 1/3, population std sqrt(2/9) = 0.4714, A = [0, 1.414, -0.707, -0.707] (eps 1e-4).
+  import jax.numpy as jnp
+  from jaxrl import losses
+  rewards = jnp.array([jnp.nan, 1.0, 0.0, 0.0])
+  valid = jnp.isfinite(rewards)
+  adv = losses.compute_advantages("grpo", rewards, jnp.zeros(4, jnp.int32), valid, eps=1e-4)
+  np.testing.assert_allclose(adv, [0.0, 1.41391, -0.706955, -0.706955], rtol=1e-4)
