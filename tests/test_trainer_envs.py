@@ -13,8 +13,8 @@ import jax
 import pytest
 
 from jaxrl import config as config_lib, metrics as metrics_lib, trainer
-from jaxrl.configs.default import get_config
 
+from test_bad_input import _tiny_cfg
 from test_cli import _rl_rows, _tiny, _train
 
 
@@ -69,16 +69,7 @@ class _Flaky:
 
 
 def test_failing_and_stalling_environment_never_hang_training(tmp_path):
-  cfg = get_config()
-  cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
-  cfg.sft.enabled = False
-  cfg.train.steps = 6
-  cfg.rollout.num_prompts = 4
-  cfg.val.at_start = cfg.val.at_end = False
-  cfg.val.every = 100
-  cfg.env.timeout_s = 0.5
-  cfg.task.dev_size = cfg.task.val_size = 16
-  cfg.val.batch_size = 16
+  cfg = _tiny_cfg(env__timeout_s=0.5)
   parts = trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count()))
   flaky = _Flaky(parts.envs["add"], stall_s=3.0)
   parts.loop.envs["add"] = flaky
