@@ -1,0 +1,321 @@
+"""Hugging Face checkpoints (Llama / Qwen2 / Qwen3) in and out of the jaxrl model.
+
+`load_hf` reads `config.json` and `model.safetensors` (or a sharded
+`model.safetensors.index.json`) and returns `(ModelConfig, graphdef, params)`; `save_hf` writes a
+directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Layout: HF linear weights are `[out, in]`, jaxrl's are `[in, out]` split per head, so every
+projection is transposed and reshaped. Both use the non-interleaved "rotate half" RoPE layout, so
+q/k need no row permutation. Per-layer tensors are stacked on a leading `[num_layers]` axis, the
+layout of both scanned and unrolled models.
+
+Tensors are read through `safetensors.safe_open(framework="numpy")`, which memory-maps each file;
+each tensor is read once, straight into its stacked host buffer, and buffers are placed on devices
+leaf by leaf and then released. Anything the model cannot represent (rope scaling,
+sliding windows, o_proj/MLP biases, other activations) is refused rather than silently dropped:
+a silently wrong model trains fine and samples garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxrl.models.transformer import DTYPES, ModelConfig, abstract_model
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# architecture -> (model_type, q/k/v bias, per-head q/k norm)
+ARCHITECTURES = {
+  "LlamaForCausalLM": ("llama", False, False),
+  "Qwen2ForCausalLM": ("qwen2", True, False),
+  "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                   "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class HFCheckpointError(ValueError):
+  """A checkpoint directory that does not match what its config or index promises."""
+
+
+def _per_layer(name: str) -> str:
+  return "model.layers.{i}." + name
+
+
+def _hf_layout(cfg: ModelConfig) -> dict[str, tuple[str, object, object]]:
+  """jaxrl name -> (HF tensor name, HF -> jaxrl, jaxrl -> HF) per layer or global tensor.
+
+  The converters take and return one layer's (or the global) array; names containing `{i}` are
+  per-layer and stacked on axis 0.
+  """
+  D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  ident = (lambda x: x, lambda x: x)
+
+  def proj_in(heads):  # [heads*Dh, D] <-> [D, heads, Dh]
+    return (lambda x: x.T.reshape(D, heads, Dh), lambda x: x.reshape(D, heads * Dh).T)
+
+  def bias(heads):  # [heads*Dh] <-> [heads, Dh]
+    return (lambda x: x.reshape(heads, Dh), lambda x: x.reshape(heads * Dh))
+
+  transpose = (lambda x: x.T, lambda x: x.T)
+  layout = {
+    "embed": ("model.embed_tokens.weight", *ident),
+    "final_norm": ("model.norm.weight", *ident),
+    "attn_norm": (_per_layer("input_layernorm.weight"), *ident),
+    "mlp_norm": (_per_layer("post_attention_layernorm.weight"), *ident),
+    "wq": (_per_layer("self_attn.q_proj.weight"), *proj_in(H)),
+    "wk": (_per_layer("self_attn.k_proj.weight"), *proj_in(K)),
+    "wv": (_per_layer("self_attn.v_proj.weight"), *proj_in(K)),
+    # [D, H*Dh] <-> [H, Dh, D]
+    "wo": (_per_layer("self_attn.o_proj.weight"), lambda x: x.T.reshape(H, Dh, D),
+           lambda x: x.reshape(H * Dh, D).T),
+    "w_gate": (_per_layer("mlp.gate_proj.weight"), *transpose),
+    "w_up": (_per_layer("mlp.up_proj.weight"), *transpose),
+    "w_down": (_per_layer("mlp.down_proj.weight"), *transpose),
+  }
+  if cfg.qkv_bias:
+    layout["bq"] = (_per_layer("self_attn.q_proj.bias"), *bias(H))
+    layout["bk"] = (_per_layer("self_attn.k_proj.bias"), *bias(K))
+    layout["bv"] = (_per_layer("self_attn.v_proj.bias"), *bias(K))
+  if cfg.qk_norm:
+    layout["q_norm"] = (_per_layer("self_attn.q_norm.weight"), *ident)
+    layout["k_norm"] = (_per_layer("self_attn.k_norm.weight"), *ident)
+  if not cfg.tie_embeddings:
+    layout["lm_head"] = ("lm_head.weight", *transpose)
+  return layout
+
+
+def _hf_shape(jaxrl_shape: tuple[int, ...], to_hf) -> tuple[int, ...]:
+  """The HF shape a converter expects, from the jaxrl shape (without the layer axis)."""
+  return to_hf(np.empty(jaxrl_shape, np.int8)).shape
+
+
+def _rope_fields(hf: dict, config_path: str) -> float:
+  """rope theta; refuses any rope scaling, which the model's `rope` does not implement."""
+  params = hf.get("rope_parameters") or {}
+  for field, spec in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", params)):
+    if not spec:
+      continue
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind not in (None, "default"):
+      raise NotImplementedError(
+          f"{config_path}: {field}.rope_type={kind!r} is not supported (jaxrl's rope implements "
+          "only unscaled rotary embeddings); remove the field only if the checkpoint was "
+          "trained without it")
+  theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+  return float(theta)
+
+
+def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: bool = False,
+                   config_path: str = CONFIG_FILE) -> ModelConfig:
+  """A `ModelConfig` from a parsed HF `config.json`; raises on anything it cannot represent."""
+  archs = hf.get("architectures") or []
+  supported = [a for a in archs if a in ARCHITECTURES]
+  if len(archs) != 1 or not supported:
+    raise NotImplementedError(f"{config_path}: architectures={archs!r} is not supported; "
+                              f"expected one of {sorted(ARCHITECTURES)}")
+  _, qkv_bias, qk_norm = ARCHITECTURES[supported[0]]
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise NotImplementedError(f"{config_path}: hidden_act={act!r} is not supported (only silu)")
+  if not qkv_bias and hf.get("attention_bias", False):
+    # Llama/Qwen3 attention_bias also adds an o_proj bias, which the model has no slot for.
+    raise NotImplementedError(f"{config_path}: attention_bias=true is not supported for "
+                              f"{supported[0]} (the model has no o_proj bias)")
+  if hf.get("mlp_bias", False):
+    raise NotImplementedError(f"{config_path}: mlp_bias=true is not supported")
+  if hf.get("use_sliding_window", False):
+    raise NotImplementedError(f"{config_path}: use_sliding_window=true is not supported")
+  rope_theta = _rope_fields(hf, config_path)
+  try:
+    d_model = int(hf["hidden_size"])
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or d_model // num_heads
+    if param_dtype is None:
+      stored = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+      param_dtype = _HF_DTYPE_NAMES.get(str(stored).replace("torch.", ""), "float32")
+    if param_dtype not in DTYPES:
+      raise ValueError(f"param_dtype={param_dtype!r} is not one of {sorted(DTYPES)}")
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]), d_model=d_model,
+        num_layers=int(hf["num_hidden_layers"]), num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=int(head_dim),
+        mlp_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, qk_norm=qk_norm,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), param_dtype=param_dtype,
+        dtype=param_dtype, scan_layers=scan_layers)
+  except KeyError as e:
+    raise HFCheckpointError(f"{config_path}: missing field {e.args[0]!r}") from None
+
+
+def _tensor_files(model_dir: str) -> dict[str, str]:
+  """HF tensor name -> the safetensors file that holds it."""
+  from safetensors import safe_open
+
+  index_path = os.path.join(model_dir, INDEX_FILE)
+  single_path = os.path.join(model_dir, SINGLE_FILE)
+  if os.path.exists(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise HFCheckpointError(f"{index_path}: no 'weight_map'")
+    files = {}
+    for name, shard in weight_map.items():
+      path = os.path.join(model_dir, shard)
+      if shard not in files and not os.path.exists(path):
+        raise HFCheckpointError(f"{index_path}: shard file {path} (holding {name!r}) is missing")
+      files[shard] = path
+    return {name: files[shard] for name, shard in weight_map.items()}
+  if os.path.exists(single_path):
+    with safe_open(single_path, framework="numpy") as f:
+      return {name: single_path for name in f.keys()}
+  raise HFCheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
+
+
+def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
+            scan_layers: bool = False):
+  """Loads a Llama / Qwen2 / Qwen3 HF checkpoint: returns `(ModelConfig, graphdef, params)`.
+
+  `param_dtype=None` keeps the checkpoint's dtype (its config's `dtype`/`torch_dtype`); the
+  compute dtype follows the parameter dtype (`dataclasses.replace` the config and rebuild the
+  graphdef with `abstract_model` for another). With `mesh`, each parameter is placed with
+  `jaxrl.parallel.param_shardings`; otherwise on the default device. The host holds one converted
+  copy of the parameters until placement, released leaf by leaf.
+  """
+  from safetensors import safe_open
+
+  config_path = os.path.join(model_dir, CONFIG_FILE)
+  if not os.path.exists(config_path):
+    raise HFCheckpointError(f"{config_path} is missing")
+  with open(config_path) as f:
+    hf = json.load(f)
+  cfg = config_from_hf(hf, param_dtype=param_dtype, scan_layers=scan_layers,
+                       config_path=config_path)
+  graphdef, abstract = abstract_model(cfg)
+  files = _tensor_files(model_dir)
+  layout = _hf_layout(cfg)
+  np_dtype = _NP_DTYPES[cfg.param_dtype]
+
+  # Every (jaxrl name, layer) slot to fill, grouped by file so each file is opened once.
+  wanted: dict[str, list[tuple[str, int | None, str]]] = {}
+  for name, (hf_name, _, _) in layout.items():
+    layers = range(cfg.num_layers) if "{i}" in hf_name else [None]
+    for i in layers:
+      tensor = hf_name.format(i=i) if i is not None else hf_name
+      if tensor not in files:
+        where = INDEX_FILE if os.path.exists(os.path.join(model_dir, INDEX_FILE)) else SINGLE_FILE
+        raise HFCheckpointError(f"{os.path.join(model_dir, where)}: tensor {tensor!r} "
+                                "is missing")
+      wanted.setdefault(files[tensor], []).append((name, i, tensor))
+
+  shapes = {path[0].key: x.shape for path, x in
+            jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  host = {name: np.empty(shapes[name], np_dtype) for name in layout}
+  for path, slots in wanted.items():
+    with safe_open(path, framework="numpy") as f:
+      for name, i, tensor in slots:
+        _, to_jaxrl, to_hf = layout[name]
+        want = _hf_shape(shapes[name][1:] if i is not None else shapes[name], to_hf)
+        x = f.get_tensor(tensor)
+        if tuple(x.shape) != tuple(want):
+          raise HFCheckpointError(f"{path}: tensor {tensor!r} has shape {tuple(x.shape)}, "
+                                  f"expected {tuple(want)} from {CONFIG_FILE}")
+        y = to_jaxrl(x).astype(np_dtype)
+        if i is None:
+          host[name][...] = y
+        else:
+          host[name][i] = y
+
+  shardings = None
+  if mesh is not None:
+    from jaxrl.parallel import param_shardings
+    shardings = param_shardings(abstract, mesh)
+    flat_sh = {path[0].key: s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+  def place(path, _):
+    name = path[0].key
+    x = host.pop(name)
+    return jax.device_put(x, flat_sh[name]) if shardings is not None else jax.device_put(x)
+
+  params = jax.tree_util.tree_map_with_path(place, abstract)
+  return cfg, graphdef, params
+
+
+def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
+  """The `config.json` dict for `cfg` as `architecture`; refuses a mismatched variant."""
+  if architecture not in ARCHITECTURES:
+    raise NotImplementedError(f"architecture={architecture!r} is not supported; expected one of "
+                              f"{sorted(ARCHITECTURES)}")
+  model_type, qkv_bias, qk_norm = ARCHITECTURES[architecture]
+  if (cfg.qkv_bias, cfg.qk_norm) != (qkv_bias, qk_norm):
+    raise ValueError(f"{architecture} needs qkv_bias={qkv_bias}, qk_norm={qk_norm}; the model "
+                     f"has qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}")
+  out = {
+    "architectures": [architecture],
+    "model_type": model_type,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "intermediate_size": cfg.mlp_dim,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": cfg.rms_eps,
+    # Both spellings: older transformers read rope_theta, newer ones rope_parameters.
+    "rope_theta": cfg.rope_theta,
+    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "max_position_embeddings": 32768,
+    "dtype": cfg.param_dtype,
+    "torch_dtype": cfg.param_dtype,
+    "use_cache": True,
+  }
+  if model_type in ("llama", "qwen3"):
+    out["attention_bias"] = False
+  if model_type == "llama":
+    out["mlp_bias"] = False
+  if model_type in ("qwen2", "qwen3"):
+    out["use_sliding_window"] = False
+  return out
+
+
+def save_hf(model_dir: str, cfg: ModelConfig, params, *, architecture: str) -> None:
+  """Writes `config.json` and `model.safetensors` loadable by `transformers` as `architecture`.
+
+  Tensors are written in the parameter dtype. Tied models omit `lm_head.weight`, as HF does.
+  """
+  from safetensors.numpy import save_file
+
+  hf_config = config_to_hf(cfg, architecture)
+  layout = _hf_layout(cfg)
+  flat = {path[0].key: x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  missing = sorted(set(layout) - set(flat))
+  if missing:
+    raise ValueError(f"params lack {missing} required by the model config")
+  tensors = {}
+  for name, (hf_name, _, to_hf) in layout.items():
+    x = np.asarray(jax.device_get(flat[name]))
+    if "{i}" in hf_name:
+      for i in range(cfg.num_layers):
+        tensors[hf_name.format(i=i)] = np.ascontiguousarray(to_hf(x[i]))
+    else:
+      tensors[hf_name] = np.ascontiguousarray(to_hf(x))
+  os.makedirs(model_dir, exist_ok=True)
+  save_file(tensors, os.path.join(model_dir, SINGLE_FILE), metadata={"format": "pt"})
+  with open(os.path.join(model_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+    f.write("\n")
+
+
+__all__ = ["ARCHITECTURES", "HFCheckpointError", "config_from_hf", "config_to_hf", "load_hf",
+           "save_hf"]
