@@ -19,6 +19,7 @@ pairs of the lag-1 / lag-0 ratio.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -37,17 +38,6 @@ from jaxrl.configs.default import get_config
 
 def log(*a):
   print(*a, file=sys.stderr, flush=True)
-
-
-class _Quiet:
-  def say(self, *a, **k):
-    pass
-
-  def update(self, *a, **k):
-    pass
-
-  def newline(self):
-    pass
 
 
 def run(lag: int, steps: int, delay: float, skip: int) -> dict:
@@ -71,7 +61,7 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = metrics_lib.MetricsWriter(d)
     try:
-      trainer.rl(parts, out, _Quiet())
+      trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()))
     finally:
       out.close()
     rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]

@@ -43,6 +43,7 @@ Prints ONE JSON object (progress on stderr). Series are downsampled to <= 60 poi
 from __future__ import annotations
 
 import argparse
+import io
 import gc
 import json
 import os
@@ -69,17 +70,6 @@ MAX_POINTS = 60
 
 def log(*a):
   print(*a, file=sys.stderr, flush=True)
-
-
-class _Quiet:
-  def say(self, *a, **k):
-    pass
-
-  def update(self, *a, **k):
-    pass
-
-  def newline(self):
-    pass
 
 
 def rss_mib() -> float:
@@ -266,7 +256,7 @@ def main():
     out = Writer(d, sampler, parts, args.warmup_steps, args.steps)
     try:
       with sampler:
-        summary = trainer.rl(parts, out, _Quiet())
+        summary = trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()))
     finally:
       out.close()
   gc.collect()

@@ -35,6 +35,10 @@ CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "pr
                "outlier_mask", "dppo_tv")
 WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
 
+# The built-in tasks (jaxrl.trainer builds them; spelled out here because this module must not
+# import jax). Their requirements are checked whenever `task.name` names only these.
+TASK_NAMES = ("add", "countdown", "guess", "math")
+
 # Per-row reward tags the rollout worker records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)
 
@@ -459,8 +463,9 @@ def validate(cfg: ConfigDict, num_devices: int,
   Args:
     cfg: the config to check.
     num_devices: number of devices the run will use (`jax.device_count()` in the caller).
-    task_names: known task names. When None, `task.name` is not checked, nor what its tasks
-      need (lengths, split sizes, data file, warm-up demonstrations); `task.weights` still is.
+    task_names: known task names. When None, `task.name` itself is not checked; what its tasks
+      need (lengths, split sizes, data file, warm-up demonstrations) still is whenever it names
+      only built-in tasks (`TASK_NAMES`), and `task.weights` always is.
     problems: problems already found (e.g. by `parse_overrides`), reported first.
 
   Returns:
@@ -534,7 +539,9 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   _check_loss(good, problems)
   _check_distributed(good, problems)
-  _check_task(good, problems, tasks_known=task_names is not None)
+  names = str(good.get("task.name", "")).split("+")
+  _check_task(good, problems, tasks_known=task_names is not None or
+              all(n in TASK_NAMES for n in names))
 
   if problems:
     raise ConfigError(problems)

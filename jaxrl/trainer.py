@@ -39,6 +39,7 @@ from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make
 from jaxrl.models import ModelConfig, init_model
 from jaxrl.pipeline import (BatchMeta, DataPlane, LagGate, ParamsHandoff, RolloutWorker,
                             balance_rows, dynamic_sampling, fill_batch)
+from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
 from jaxrl.pipeline.validator import Validator
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
@@ -48,7 +49,7 @@ from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shar
 from jaxrl.types import TrainBatch
 
 
-TASK_NAMES = ("add", "countdown", "guess", "math")
+TASK_NAMES = config_lib.TASK_NAMES
 
 
 def make_source(cfg):
@@ -57,10 +58,8 @@ def make_source(cfg):
   names = cfg.task.name.split("+")
   if len(names) == 1:
     return _one_source(cfg, names[0])
+  # One weight per task is checked by config.validate.
   weights = [float(w) for w in cfg.task.weights.split(",")] if cfg.task.weights else None
-  if weights is not None and len(weights) != len(names):
-    raise config_lib.ConfigError([f"config.task.weights: {len(weights)} weights for "
-                                  f"{len(names)} tasks {names}"])
   return MixedSource([_one_source(cfg, n) for n in names], weights, seed=cfg.seed)
 
 
@@ -73,12 +72,9 @@ def _one_source(cfg, name: str):
     return CountdownSource(seed=cfg.seed, val_size=t.val_size)
   if name == "guess":
     return GuessSource(seed=cfg.seed)
-  if name == "math":
-    if not t.path:
-      raise config_lib.ConfigError(["config.task.path: task 'math' needs a JSONL file of "
-                                    "{\"question\", \"answer\"} rows"])
+  if name == "math":  # config.validate checks that task.path is a file
     return MathSource.from_jsonl(t.path, seed=cfg.seed)
-  raise config_lib.ConfigError([f"config.task.name: unknown task {name!r}"])
+  raise KeyError(f"unknown task {name!r}; built in: {TASK_NAMES}")
 
 
 class Parts:
@@ -95,16 +91,12 @@ class Parts:
     # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with
     # the row named, by data.on_bad_row; the validation split is checked here, before compiling.
     self.source = CheckedSource(source, self._row_problem, cfg.data.on_bad_row)
+    # What config.validate cannot know without the data: lengths, demonstrations and splits of
+    # the built-in tasks are checked there.
     problems = []
-    if self.task is not None and self.task.max_answer_tokens > r.max_new_tokens:
-      problems.append(f"config.rollout.max_new_tokens: task {cfg.task.name!r} answers need up to "
-                      f"{self.task.max_answer_tokens} tokens, got {r.max_new_tokens}")
     if not self.source.split("val"):
       problems.append(f"config.task.name: task {cfg.task.name!r} has no usable validation rows "
                       f"(skipped: {self.source.skipped})")
-    if cfg.sft.enabled and cfg.sft.max_steps and self.task is None:
-      problems.append(f"config.sft.enabled: task {cfg.task.name!r} has no demonstrations for the "
-                      "supervised warm-up; set it to false")
     if cfg.model.vocab_size and cfg.model.vocab_size < self.tok.vocab_size:
       problems.append(f"config.model.vocab_size: the tokenizer needs {self.tok.vocab_size}, got "
                       f"{cfg.model.vocab_size}")
@@ -204,8 +196,7 @@ class Parts:
       lengths = np.concatenate([m.lengths for m in metas])
       solved = (np.nan_to_num(rewards, nan=0.0) >= 1.0 - 1e-6)[real].reshape(-1, k)
       out = {"val/accuracy": float(solved.mean()), f"val/pass@{k}": float(solved.any(1).mean()),
-             "val/reward": float(np.nanmean(rewards[real])) if np.isfinite(rewards[real]).any()
-             else float("nan"),
+             "val/reward": finite_mean(rewards[real]),
              "val/avg_length": float(lengths[real].mean())}
       turns = np.concatenate([e.turns[m] for e, m in eps])
       out["val/turns/mean"] = float(turns.mean())
@@ -421,13 +412,10 @@ class Rollouts:
         self.gate.add(name, counts[name])
       rows = {f: np.concatenate([g[f] for g in groups]) for f in groups[0]}
       meta = self._store(f"b{batch_id}", rows, place=True)
-      if ds.enabled:
-        seen_all = np.concatenate(seen)
-        info.update({"reward": float(np.nanmean(seen_all)),
-                     "filtered_reward": float(np.nanmean(rows["rewards"])),
-                     "dynamic_sampling/num_gen_batches": counts["attempts"],
-                     "dynamic_sampling/dropped_groups": counts["filtered"],
-                     "dynamic_sampling/discarded_valid_samples": 0})
+      if ds.enabled:  # regeneration never over-generates: nothing valid is discarded
+        info.update(dynamic_sampling.batch_metrics(
+            np.concatenate(seen), rows["rewards"], attempts=counts["attempts"],
+            dropped=counts["filtered"], discarded=0))
     return {"meta": meta, "submit_version": version, "sample_time_s": st(), "info": info}
 
 
@@ -609,7 +597,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
         # synchronously: batch b used params version submit_version and the stream of `seed`.
         row = {"phase": "rl", "step": step, "batch_id": batch_id, "slot": batch_id % (L + 1),
                "submit_version": item["submit_version"], "consume_version": consumer,
-               "reward": _nanmean(rewards), "filtered_reward": _nanmean(rewards),
+               "reward": finite_mean(rewards), "filtered_reward": finite_mean(rewards),
                **item["info"],
                "reward/mixed_groups": float(np.mean(mixed)),
                "completion_len": float(meta.lengths.mean()),
@@ -653,12 +641,6 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   last = val_acc[max(val_acc)] if val_acc else float("nan")
   return {"val/accuracy_before_rl": first, "val/accuracy_after_rl": last,
           "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at}
-
-
-def _nanmean(x) -> float:
-  x = np.asarray(x, np.float64)
-  x = x[np.isfinite(x)]
-  return float(x.mean()) if x.size else float("nan")
 
 
 def _read_batch(data: DataPlane, meta: BatchMeta, fields: tuple[str, ...]) -> TrainBatch:

@@ -115,18 +115,23 @@ def fill_from_generations(generate: Callable[[int], BatchMeta], *, num_groups: i
       if rows is not None:
         discard(rows)
     raise
-  generated = np.concatenate(all_rewards)
-  trained = np.asarray(pending.tags[reward_field], np.float64)
-  metrics = {
-      "reward": _finite_mean(generated),
-      "filtered_reward": _finite_mean(trained),
-      "dynamic_sampling/num_gen_batches": attempt,
+  return pending, batch_metrics(np.concatenate(all_rewards), pending.tags[reward_field],
+                                attempts=attempt, dropped=dropped, discarded=discarded)
+
+
+def batch_metrics(generated, trained, *, attempts: int, dropped: int, discarded: int) -> dict:
+  """The per-batch metrics of the module docstring, for either way of filling a batch."""
+  return {
+      "reward": finite_mean(generated),
+      "filtered_reward": finite_mean(trained),
+      "dynamic_sampling/num_gen_batches": attempts,
       "dynamic_sampling/dropped_groups": dropped,
       "dynamic_sampling/discarded_valid_samples": discarded,
   }
-  return pending, metrics
 
 
-def _finite_mean(x: np.ndarray) -> float:
+def finite_mean(x) -> float:
+  """Mean over the finite entries (failed rows carry NaN); NaN when there are none."""
+  x = np.asarray(x, np.float64)
   x = x[np.isfinite(x)]
   return float(x.mean()) if x.size else float("nan")

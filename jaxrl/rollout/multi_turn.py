@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from jaxrl.data.tokenizer import left_pad
@@ -151,8 +152,6 @@ class MultiTurn:
 
   def run(self, params, tasks: Sequence[Task], key, request_base: int, version: int,
           temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
-    import jax  # the loop itself is host code; jax only for keys
-
     b = self.budget
     G, N, Lp = self.G, b.max_total_tokens, b.max_prompt_len
     tasks = list(tasks)
