@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+pytestmark = pytest.mark.parity
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
