@@ -157,6 +157,24 @@ class Checkpointer:
     `abstract_like(fresh_state)`), or concrete arrays, which are reduced to that first. Pending
     saves are waited for, so a step saved by this process is readable.
     """
+    step = self._existing(step)
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
+    return out.state, out.host
+
+  def restore_params(self, step: int | None, target) -> tuple[int, object]:
+    """`(step, params)`: only the policy parameters of a training checkpoint (the optimizer
+    state, reference and saved rollouts are not read), laid out as `target` (abstract params
+    with shardings) says. For exporting a model without building the train step."""
+    step = self._existing(step)
+    tgt = {"train": {"params": abstract_like(target)}}
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tgt)
+    out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=tgt, restore_args=args, partial_restore=True)))
+    return step, out.state["train"]["params"]
+
+  def _existing(self, step: int | None) -> int:
+    """`step`, or the latest complete one for None; an error naming the directory otherwise."""
     self.wait()
     if step is None:
       step = self.latest_step()
@@ -165,20 +183,14 @@ class Checkpointer:
     elif int(step) not in self.all_steps():
       raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} "
                               f"(steps: {self.all_steps()})")
-    out = self._mngr.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
-    return out.state, out.host
+    return int(step)
 
   def read_host(self, step: int | None = None) -> tuple[int, dict]:
     """`(step, host)` of `step` (None: the latest) without reading the arrays: the host dict
     says what the state holds (e.g. the shapes of saved rollout batches), which the caller
     needs to build the abstract target of `restore`."""
-    self.wait()
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-    out = self._mngr.restore(int(step), args=ocp.args.Composite(host=ocp.args.JsonRestore()))
+    step = self._existing(step)
+    out = self._mngr.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))
     return int(step), out.host
 
   def close(self) -> None:

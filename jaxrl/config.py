@@ -408,6 +408,9 @@ def _check_task(good: dict[str, Any], problems: list[str], tasks_known: bool) ->
                       "\"answer\"} rows, got ''")
     elif not os.path.isfile(path):
       problems.append(f"{p}task.path: no file {path!r} (task 'math' reads its rows from it)")
+  if "math" in names and good.get("task.val_path") and not os.path.isfile(good["task.val_path"]):
+    problems.append(f"{p}task.val_path: no file {good['task.val_path']!r} (task 'math' reads its "
+                    "validation rows from it)")
   if "add" in names and "task.num_digits" in good:
     n = good["task.num_digits"]
     prompt_len, answer_len, total = _add_lengths(n)
@@ -423,6 +426,44 @@ def _check_task(good: dict[str, Any], problems: list[str], tasks_known: bool) ->
       problems.append(f"{p}task.dev_size: {p}task.dev_size + {p}task.val_size = "
                       f"{good['task.dev_size']} + {good['task.val_size']} leaves no training "
                       f"problems: task 'add' has {total} with {p}task.num_digits = {n}")
+
+
+# The keys a Hugging Face model directory decides (model.hf_path).
+HF_ARCHITECTURE_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                        "head_dim", "mlp_dim", "rope_theta", "rms_eps", "qkv_bias", "qk_norm",
+                        "tie_embeddings", "init_std")
+
+
+def _check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> None:
+  """A Hugging Face model directory: present, complete enough to start, and not contradicted.
+
+  The architecture comes from the directory's config.json, so an architecture key changed in the
+  run config would be silently ignored; it is named instead. The warm-up's demonstrations are
+  character-tokenizer ids, which a Hugging Face tokenizer cannot train on.
+  """
+  p = _PREFIX
+  path = good.get("model.hf_path", "")
+  if not path:
+    return
+  if not os.path.isdir(path):
+    problems.append(f"{p}model.hf_path: no directory {path!r}")
+    return
+  for name in ("config.json", "tokenizer.json"):
+    if not os.path.isfile(os.path.join(path, name)):
+      problems.append(f"{p}model.hf_path: {os.path.join(path, name)} is missing (a Hugging Face "
+                      "model directory holds config.json, the *.safetensors weights, "
+                      "tokenizer.json and tokenizer_config.json)")
+  for key in HF_ARCHITECTURE_KEYS:
+    k = f"model.{key}"
+    if k in good and good[k] != ref[k]:
+      problems.append(f"{p}{k}: is read from {path}/config.json with {p}model.hf_path set; "
+                      f"leave it at its default {ref[k]!r}, got {good[k]!r}")
+  # (Other tasks have no demonstrations at all, which _check_task reports.)
+  if good.get("sft.enabled") and good.get("sft.max_steps", 0) > 0 and \
+      good.get("task.name") == "add":
+    problems.append(f"{p}sft.enabled: the supervised warm-up's demonstrations are "
+                    f"character-tokenizer ids, not available with {p}model.hf_path; set it to "
+                    f"false or {p}sft.max_steps to 0")
 
 
 def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
@@ -539,6 +580,7 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   _check_loss(good, problems)
   _check_distributed(good, problems)
+  _check_hf(good, _flatten(ref), problems)
   names = str(good.get("task.name", "")).split("+")
   _check_task(good, problems, tasks_known=task_names is not None or
               all(n in TASK_NAMES for n in names))

@@ -19,6 +19,7 @@ batch metadata crosses the ring.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrl import checkpoint
+from jaxrl import checkpoint, export
 from jaxrl import config as config_lib
 from jaxrl import losses
 from jaxrl import metrics as metrics_lib
@@ -36,7 +37,8 @@ from jaxrl.data import left_pad
 from jaxrl.data.sources import CheckedSource, MixedSource
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make_env
-from jaxrl.models import ModelConfig, init_model
+from jaxrl.models import ModelConfig, abstract_model, init_model
+from jaxrl.models import hf as hf_lib
 from jaxrl.pipeline import (BatchMeta, DataPlane, LagGate, ParamsHandoff, RolloutWorker,
                             balance_rows, dynamic_sampling, fill_batch)
 from jaxrl.pipeline.dynamic_sampling import finite_mean
@@ -73,8 +75,19 @@ def _one_source(cfg, name: str):
   if name == "guess":
     return GuessSource(seed=cfg.seed)
   if name == "math":  # config.validate checks that task.path is a file
-    return MathSource.from_jsonl(t.path, seed=cfg.seed)
+    return MathSource.from_jsonl(t.path, val_path=t.val_path or None, seed=cfg.seed,
+                                 instruction=t.instruction)
   raise KeyError(f"unknown task {name!r}; built in: {TASK_NAMES}")
+
+
+def make_tokenizer(cfg, source):
+  """The model's own tokenizer with `model.hf_path`, else a character tokenizer over the task's
+  alphabet (the built-in tasks say which characters their text can hold)."""
+  if cfg.model.hf_path:
+    from jaxrl.data.hf_tokenizer import HFTokenizer
+    return HFTokenizer.from_dir(cfg.model.hf_path, use_chat_template=cfg.tokenizer.chat_template,
+                                system_prompt=cfg.tokenizer.system_prompt or None)
+  return CharTokenizer(source.alphabet)
 
 
 class Parts:
@@ -86,7 +99,7 @@ class Parts:
     source = make_source(cfg)
     # The arithmetic task keeps its demonstrations (warm-up) and `dev` split (warm-up stop rule).
     self.task = getattr(source, "task", None)
-    self.tok = CharTokenizer(source.alphabet)
+    self.tok = make_tokenizer(cfg, source)
     self.envs = {name: make_env(name) for name in cfg.task.name.split("+")}
     # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with
     # the row named, by data.on_bad_row; the validation split is checked here, before compiling.
@@ -97,21 +110,42 @@ class Parts:
     if not self.source.split("val"):
       problems.append(f"config.task.name: task {cfg.task.name!r} has no usable validation rows "
                       f"(skipped: {self.source.skipped})")
-    if cfg.model.vocab_size and cfg.model.vocab_size < self.tok.vocab_size:
-      problems.append(f"config.model.vocab_size: the tokenizer needs {self.tok.vocab_size}, got "
-                      f"{cfg.model.vocab_size}")
+    hf_path = cfg.model.hf_path
+    if hf_path:
+      config_path = os.path.join(hf_path, hf_lib.CONFIG_FILE)
+      try:
+        with open(config_path) as f:
+          model_cfg = hf_lib.config_from_hf(json.load(f), param_dtype=cfg.model.param_dtype,
+                                            scan_layers=cfg.model.scan_layers,
+                                            config_path=config_path)
+        vocab, vocab_key = model_cfg.vocab_size, f"{config_path} vocab_size"
+      except (ValueError, NotImplementedError) as e:  # names the file and field
+        problems.append(f"config.model.hf_path: {e}")
+        vocab = 0
+    else:
+      vocab, vocab_key = cfg.model.vocab_size, "config.model.vocab_size"
+    if vocab and vocab < self.tok.vocab_size:
+      problems.append(f"{vocab_key}: the tokenizer needs {self.tok.vocab_size}, got {vocab}")
     if problems:
       raise config_lib.ConfigError(problems)
 
-    self.model_cfg = ModelConfig.from_config(cfg.model, self.tok.vocab_size)
     self.mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
-    self.graphdef, params = init_model(self.model_cfg, cfg.seed)
-    self.params = shard_params(params, self.mesh)
+    if hf_path:
+      # Straight onto the mesh from the memory-mapped files; the compute dtype is the run's.
+      self.model_cfg, _, self.params = hf_lib.load_hf(
+          hf_path, mesh=self.mesh, param_dtype=cfg.model.param_dtype,
+          scan_layers=cfg.model.scan_layers)
+      self.model_cfg = dataclasses.replace(self.model_cfg, dtype=cfg.model.dtype)
+      self.graphdef, _ = abstract_model(self.model_cfg)
+    else:
+      self.model_cfg = ModelConfig.from_config(cfg.model, self.tok.vocab_size)
+      self.graphdef, params = init_model(self.model_cfg, cfg.seed)
+      self.params = shard_params(params, self.mesh)
     # Rollout rows of partitions `train` and `val`: metadata here, arrays on the mesh.
     self.data = DataPlane(self.mesh)
     self._passes = 0
 
-    common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
+    common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_ids, pad_id=self.tok.pad_id)
     self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
     # Later turns: every row continues its own context (compiled only if a task has them).
     sample_next = make_sampler(self.graphdef, num_samples=1, **common)
@@ -133,7 +167,7 @@ class Parts:
     if not task.prompt.strip():
       return "empty_prompt", "the prompt is empty"
     try:
-      n = len(self.tok.encode(task.prompt))
+      n = len(self.tok.encode_prompt(task.prompt))
     except ValueError as e:
       return "undecodable", str(e)
     if n > self.cfg.rollout.max_prompt_len:
@@ -144,7 +178,8 @@ class Parts:
   # ---- batches -------------------------------------------------------------------------------
 
   def prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
-    return left_pad([self.tok.encode(p.prompt) for p in problems], self.cfg.rollout.max_prompt_len,
+    return left_pad([self.tok.encode_prompt(p.prompt) for p in problems],
+                    self.cfg.rollout.max_prompt_len,
                     self.tok.pad_id)
 
   def sft_batch(self, problems) -> TrainBatch:
@@ -678,6 +713,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=2)
+    if cfg.model.hf_path:
+      # What `python -m jaxrl.export` needs besides the weights, kept with the run so the export
+      # does not depend on the starting directory still being there.
+      export.copy_metadata(cfg.model.hf_path, os.path.join(run_dir, export.METADATA_DIR))
   quiet = None if main else open(os.devnull, "w")
   progress = metrics_lib.Progress(stream=quiet, every=cfg.log_every)
   out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=keep_lines)

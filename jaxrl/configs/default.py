@@ -29,6 +29,12 @@ def get_config() -> ConfigDict:
   c.checkpoint.async_save = True  # write in the background while training goes on
 
   c.model = ConfigDict()
+  # A Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+  # tokenizer_config.json; Llama 3 / Qwen2 / Qwen2.5 / Qwen3): the architecture comes from its
+  # config.json and the tokenizer from its tokenizer files, so the architecture keys below
+  # (vocab_size .. tie_embeddings, init_std) must keep their defaults. "" = a fresh random model
+  # of the shape below with the task's character tokenizer.
+  c.model.hf_path = ""
   c.model.vocab_size = 0  # 0: taken from the task's tokenizer
   c.model.d_model = 128
   c.model.num_layers = 2
@@ -46,12 +52,22 @@ def get_config() -> ConfigDict:
   c.model.init_std = 0.02
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
 
+  # How prompts become tokens with a Hugging Face tokenizer (model.hf_path).
+  c.tokenizer = ConfigDict()
+  # Render each task prompt as a user message through the model's chat template (with the
+  # assistant turn opened), and environment observations as further user turns; false, or a
+  # tokenizer without a template: plain text with the tokenizer's own special tokens.
+  c.tokenizer.chat_template = True
+  c.tokenizer.system_prompt = ""  # a system message before every prompt; "" = the template's own
+
   c.task = ConfigDict()
   # Built-in task: add | countdown | guess (multi-turn) | math; several joined by "+" (e.g.
   # "add+guess") are mixed per row, drawn with task.weights.
   c.task.name = "add"
   c.task.weights = ""  # "" = equal; else comma-separated, one per task (e.g. "3,1")
   c.task.path = ""  # task "math": JSONL file of {"question", "answer"} rows (GSM8K style)
+  c.task.val_path = ""  # task "math": held-out JSONL; "" = a seeded 10% of task.path
+  c.task.instruction = ""  # task "math": appended to every question on a new line
   c.task.num_digits = 2  # operands are zero-padded to this many digits
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
   c.task.val_size = 1000  # held-out split used only for reported accuracy

@@ -1,7 +1,13 @@
 """The tokenizer interface jaxrl needs, and a character tokenizer for built-in tasks.
 
-A Hugging Face tokenizer can implement the same four members later (`pad_id`, `eos_id`,
-`vocab_size`, `encode`, `decode`); nothing else in jaxrl looks inside a tokenizer.
+Nothing in jaxrl looks inside a tokenizer beyond these members: `pad_id`, `eos_id`, `eos_ids`,
+`vocab_size`, `encode`, `decode`, `encode_prompt` (the tokens a task prompt becomes: with a chat
+model, a rendered user turn that opens the assistant's) and `encode_observation` (the tokens an
+environment's observation appends after a model turn). `eos_ids` holds every id that ends a generation (a Hugging Face
+model may have several: Llama 3.1 Instruct stops at `<|eot_id|>`, `<|eom_id|>` or
+`<|end_of_text|>`); `eos_id == eos_ids[0]` is the one jaxrl writes itself, e.g. at the end of a
+supervised target. `jaxrl.data.hf_tokenizer.HFTokenizer` implements the protocol for Hugging
+Face tokenizers and chat templates.
 """
 
 from __future__ import annotations
@@ -14,11 +20,16 @@ import numpy as np
 class Tokenizer(Protocol):
   pad_id: int
   eos_id: int
+  eos_ids: tuple[int, ...]
   vocab_size: int
 
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+  def encode_prompt(self, text: str) -> list[int]: ...
+
+  def encode_observation(self, text: str) -> list[int]: ...
 
 
 class CharTokenizer:
@@ -26,6 +37,7 @@ class CharTokenizer:
 
   pad_id = 0
   eos_id = 1
+  eos_ids = (1,)
 
   def __init__(self, alphabet: str):
     if len(set(alphabet)) != len(alphabet):
@@ -39,6 +51,13 @@ class CharTokenizer:
     if bad:
       raise ValueError(f"characters {bad} are not in the tokenizer alphabet {self.alphabet!r}")
     return [self._ids[ch] for ch in text]
+
+  def encode_prompt(self, text: str) -> list[int]:
+    """Prompts are plain text: the built-in tasks write the whole context themselves."""
+    return self.encode(text)
+
+  def encode_observation(self, text: str) -> list[int]:
+    return self.encode(text)
 
   def decode(self, ids: Sequence[int]) -> str:
     """Text of the ids, stopping at the first EOS; padding is dropped."""

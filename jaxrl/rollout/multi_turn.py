@@ -162,7 +162,8 @@ class MultiTurn:
     rows = [t for t in tasks for _ in range(G)]
     B = len(rows)
     pad = self.tok.pad_id
-    encoded = [self.tok.encode(t.prompt) for t in tasks]
+    eos_ids = set(self.tok.eos_ids)
+    encoded = [self.tok.encode_prompt(t.prompt) for t in tasks]
     too_long = [(t.uid, len(e)) for t, e in zip(tasks, encoded) if len(e) > Lp]
     if too_long:
       raise ValueError(f"prompts longer than rollout.max_prompt_len={Lp}: {too_long[:5]}")
@@ -205,7 +206,7 @@ class MultiTurn:
       for i in np.flatnonzero(active):
         new = o_tokens[i][o_mask[i]]
         room = N - length[i]
-        ended_eos = len(new) > 0 and new[-1] == self.tok.eos_id
+        ended_eos = len(new) > 0 and int(new[-1]) in eos_ids
         cut = len(new) > room
         new = new[:room]
         lp = o_lps[i][o_mask[i]][:len(new)]
@@ -214,7 +215,7 @@ class MultiTurn:
         logprobs[i, s], pversion[i, s] = lp, version
         length[i] += len(new)
         turns[i] += 1
-        text = self.tok.decode([t for t in new if t != self.tok.eos_id])
+        text = self.tok.decode(new)
         row = rows[i]
         calls.setdefault(row.env, (self.envs[row.env], []))[1].append(
             Turn(task=row, turn=turn, response=text, truncated=bool(cut or not ended_eos),
@@ -244,7 +245,7 @@ class MultiTurn:
           if truncated[i] or turns[i] >= limit[i]:
             truncated[i], active[i] = True, False
             continue
-          obs = self.tok.encode(res.observations[j])
+          obs = self.tok.encode_observation(res.observations[j])
           history[i].append(("user", res.observations[j]))
           if length[i] + len(obs) + 1 > N:  # no room for the observation and a next token
             truncated[i], active[i] = True, False

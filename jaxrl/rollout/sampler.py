@@ -19,7 +19,9 @@ on (key, request id, step) and not on batch composition; group members have dist
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import functools
+
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,12 +78,22 @@ def make_sampler(
     *,
     num_samples: int,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
 ) -> Callable[..., SampleOutput]:
   """Returns `generate(params, prompts [P, Lp], prompt_valid [P, Lp], key, request_ids [P*G],
-  temperature, top_k, top_p) -> SampleOutput` over P*G rows (prompt-major: row = p*G + g)."""
+  temperature, top_k, top_p) -> SampleOutput` over P*G rows (prompt-major: row = p*G + g).
+
+  `eos_id` is one id or several (e.g. a chat model's end-of-turn and end-of-text): a row ends at
+  the first token that is any of them, and that token is kept in the mask.
+  """
   G, N = num_samples, max_new_tokens
+  eos_ids = tuple(int(e) for e in ((eos_id,) if isinstance(eos_id, int) else eos_id))
+  if not eos_ids:
+    raise ValueError("make_sampler: eos_id names no token")
+
+  def is_eos(tok):
+    return functools.reduce(jnp.logical_or, [tok == e for e in eos_ids])
 
   @jax.jit
   def prefill(params, prompts, prompt_valid):
@@ -118,7 +130,7 @@ def make_sampler(
       """Records token t for rows still live; rows that already ended get padding."""
       live = ~s.done
       return s._replace(
-          t=s.t + 1, last=tok, done=s.done | (tok == eos_id),
+          t=s.t + 1, last=tok, done=s.done | is_eos(tok),
           tokens=s.tokens.at[:, s.t].set(jnp.where(live, tok, pad_id)),
           logprobs=s.logprobs.at[:, s.t].set(jnp.where(live, lp, 0.0)),
           mask=s.mask.at[:, s.t].set(live))
