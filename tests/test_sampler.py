@@ -113,3 +113,23 @@ def test_changing_temperature_top_k_top_p_does_not_recompile(setup):
   for t, k, p in [(0.3, 0, 1.0), (1.2, 5, 0.9), (0.0, 0, 1.0)]:
     _sample(setup, temperature=t, top_k=k, top_p=p)
   assert (gen.prefill._cache_size(), gen.decode._cache_size()) == before
+
+
+def test_several_eos_ids_each_end_a_row(setup):
+  # Two ids that greedy decoding actually emits, taken from an EOS-free run: every row must
+  # stop at the first of either, exactly where the free run first emitted one.
+  graphdef, params, _, prompts, valid = setup
+  free = make_sampler(graphdef, num_samples=1, max_new_tokens=N, eos_id=10**6, pad_id=0)
+  ref = np.asarray(free(params, prompts, valid, jax.random.key(0), np.arange(3), 0.0).tokens)
+  eos = (int(ref[0, 2]), int(ref[1, 4]))
+  two = make_sampler(graphdef, num_samples=1, max_new_tokens=N, eos_id=eos, pad_id=0)
+  out = two(params, prompts, valid, jax.random.key(0), np.arange(3), 0.0)
+  for row in range(3):
+    hits = [t for t in range(N) if ref[row, t] in eos]
+    end = hits[0] + 1 if hits else N
+    assert int(out.lengths[row]) == end
+    np.testing.assert_array_equal(np.asarray(out.tokens)[row, :end], ref[row, :end])
+    assert (np.asarray(out.tokens)[row, end:] == 0).all()
+  assert int(out.lengths[0]) <= 3 and int(out.lengths[1]) <= 5
+  with pytest.raises(ValueError, match="eos_id"):
+    make_sampler(graphdef, num_samples=1, max_new_tokens=N, eos_id=(), pad_id=0)
