@@ -14,6 +14,10 @@ VARIANTS = {
     "llama_unrolled": {"scan_layers": False},
     "qwen2_bias_tied": {"qkv_bias": True, "tie_embeddings": True},
     "qwen3_qknorm_scan": {"qk_norm": True, "scan_layers": True},
+    # head_dim 8, theta 1e4: wavelengths 6.3, 63, 628, 6283 fall in the kept, blended, divided,
+    # divided bands of original context 64.
+    "llama3_rope_unrolled": {"rope_scaling": "llama3", "rope_factor": 8.0,
+                             "rope_original_max_positions": 64, "scan_layers": False},
 }
 
 
@@ -130,3 +134,51 @@ def test_bfloat16_compute_keeps_float32_logprobs():
                                 np.asarray(outs["float32"].tokens)[:, 0])
   np.testing.assert_allclose(np.asarray(outs["bfloat16"].logprobs)[:, 0],
                              np.asarray(outs["float32"].logprobs)[:, 0], atol=0.05)
+
+
+def _np_inv_freq(head_dim, theta, scaling="none", factor=1.0, low=1.0, high=4.0, orig=8192):
+  """The rope frequency formulas written out per pair in float64, independently of the model."""
+  out = []
+  for i in range(head_dim // 2):
+    f = theta ** (-2.0 * i / head_dim)
+    if scaling == "linear":
+      f /= factor
+    elif scaling == "llama3":
+      wavelen = 2 * np.pi / f
+      if wavelen > orig / low:
+        f /= factor
+      elif wavelen >= orig / high:
+        s = (orig / wavelen - low) / (high - low)
+        f = (1 - s) * f / factor + s * f
+    out.append(f)
+  return np.array(out)
+
+
+def test_rope_inv_freq_matches_the_formulas_in_every_band():
+  from jaxrl.models.transformer import rope_inv_freq
+
+  dh, theta = 16, 10000.0
+  np.testing.assert_array_equal(
+      np.asarray(rope_inv_freq(dh, theta)),
+      np.asarray(1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))))
+  np.testing.assert_allclose(np.asarray(rope_inv_freq(dh, theta)), _np_inv_freq(dh, theta),
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(rope_inv_freq(dh, theta, "linear", 4.0)),
+                             _np_inv_freq(dh, theta, "linear", 4.0), rtol=1e-6)
+  for low, high, orig in [(1.0, 4.0, 64), (1.0, 4.0, 8192), (2.0, 3.0, 500)]:
+    wavelen = 2 * np.pi / _np_inv_freq(dh, theta)
+    bands = [(wavelen > orig / low).sum(), (wavelen < orig / high).sum()]
+    bands.append(dh // 2 - sum(bands))
+    assert min(bands) > 0, (orig, bands)  # divided, kept and blended pairs all occur
+    got = np.asarray(rope_inv_freq(dh, theta, "llama3", 8.0, low, high, orig))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, _np_inv_freq(dh, theta, "llama3", 8.0, low, high, orig),
+                               rtol=1e-6)
+
+
+def test_rope_scaling_config_is_checked():
+  with pytest.raises(ValueError, match="rope_scaling='yarn'"):
+    tiny_model_config(rope_scaling="yarn")
+  with pytest.raises(ValueError, match="rope_low_freq_factor < rope_high_freq_factor"):
+    tiny_model_config(rope_scaling="llama3", rope_low_freq_factor=4.0,
+                      rope_high_freq_factor=4.0)

@@ -11,9 +11,14 @@ layout of both scanned and unrolled models.
 
 Tensors are read through `safetensors.safe_open(framework="numpy")`, which memory-maps each file;
 each tensor is read once, straight into its stacked host buffer, and buffers are placed on devices
-leaf by leaf and then released. Anything the model cannot represent (rope scaling,
-sliding windows, o_proj/MLP biases, other activations) is refused rather than silently dropped:
-a silently wrong model trains fine and samples garbage.
+leaf by leaf and then released.
+
+Rope scaling: "linear" and "llama3" (Llama 3.1+) are read from `rope_scaling` (older configs) or
+`rope_parameters` (transformers 5, which also holds `rope_theta`) into the `ModelConfig.rope_*`
+fields, and written back in both spellings. Anything the model cannot represent (other rope types
+such as yarn, dynamic or longrope, partial rotary, sliding windows, o_proj/MLP biases, other
+activations), or a config whose spellings disagree, is refused rather than silently dropped: a
+silently wrong model trains fine and samples garbage.
 """
 
 from __future__ import annotations
@@ -99,20 +104,73 @@ def _hf_shape(jaxrl_shape: tuple[int, ...], to_hf) -> tuple[int, ...]:
   return to_hf(np.empty(jaxrl_shape, np.int8)).shape
 
 
-def _rope_fields(hf: dict, config_path: str) -> float:
-  """rope theta; refuses any rope scaling, which the model's `rope` does not implement."""
-  params = hf.get("rope_parameters") or {}
-  for field, spec in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", params)):
-    if not spec:
-      continue
-    kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind not in (None, "default"):
-      raise NotImplementedError(
-          f"{config_path}: {field}.rope_type={kind!r} is not supported (jaxrl's rope implements "
-          "only unscaled rotary embeddings); remove the field only if the checkpoint was "
-          "trained without it")
-  theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-  return float(theta)
+# rope_type -> the fields it needs (HF name -> ModelConfig name); see `rope_inv_freq`.
+_ROPE_TYPES = {
+  "linear": {"factor": "rope_factor"},
+  "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+             "high_freq_factor": "rope_high_freq_factor",
+             "original_max_position_embeddings": "rope_original_max_positions"},
+}
+
+
+def _rope_scaling(hf: dict, field: str, spec: dict, config_path: str) -> dict:
+  """`ModelConfig` rope-scaling fields from one rope dict (`rope_scaling` or `rope_parameters`)."""
+  if any(isinstance(v, dict) for v in spec.values()):
+    raise NotImplementedError(f"{config_path}: {field} with per-layer-type entries is not "
+                              "supported (jaxrl's rope is the same for every layer)")
+  kind = spec.get("rope_type", spec.get("type", "default"))
+  if kind in (None, "default"):
+    return {"rope_scaling": "none"}
+  if kind not in _ROPE_TYPES:
+    raise NotImplementedError(
+        f"{config_path}: {field}.rope_type={kind!r} is not supported (jaxrl's rope implements "
+        f"unscaled, {' and '.join(repr(k) for k in _ROPE_TYPES)} rotary embeddings); remove the "
+        "field only if the checkpoint was trained without it")
+  out = {"rope_scaling": kind}
+  for name, ours in _ROPE_TYPES[kind].items():
+    value = spec.get(name)
+    if value is None and name == "original_max_position_embeddings":
+      # What transformers falls back to when the rope dict leaves it out.
+      value = hf.get("max_position_embeddings")
+    if value is None:
+      raise HFCheckpointError(f"{config_path}: {field}.rope_type={kind!r} needs "
+                              f"{field}.{name}, which is missing")
+    out[ours] = int(value) if ours == "rope_original_max_positions" else float(value)
+  return out
+
+
+def _rope_fields(hf: dict, config_path: str) -> dict:
+  """`ModelConfig` rope fields (theta and scaling) from an HF config.
+
+  transformers 5 prefers `rope_scaling` over `rope_parameters` and the latter's theta over the
+  top-level `rope_theta`; older versions read only `rope_scaling` and `rope_theta`. Where a config
+  spells a value in more than one place they must agree, so every version builds the same model.
+  """
+  specs = {f: hf.get(f) for f in ("rope_scaling", "rope_parameters") if hf.get(f)}
+  for field, spec in specs.items():
+    if not isinstance(spec, dict):
+      raise HFCheckpointError(f"{config_path}: {field}={spec!r} is not a dict")
+  thetas = {f"{field}.rope_theta": spec["rope_theta"] for field, spec in specs.items()
+            if spec.get("rope_theta") is not None}
+  if hf.get("rope_theta") is not None:
+    thetas["rope_theta"] = hf["rope_theta"]
+  if len({float(t) for t in thetas.values()}) > 1:
+    raise HFCheckpointError(f"{config_path}: rope theta disagrees between fields: {thetas}")
+  partial = {f"{field}.partial_rotary_factor": spec.get("partial_rotary_factor")
+             for field, spec in specs.items()}
+  partial["partial_rotary_factor"] = hf.get("partial_rotary_factor")
+  for name, value in partial.items():
+    if value is not None and float(value) != 1.0:
+      raise NotImplementedError(f"{config_path}: {name}={value!r} is not supported (jaxrl's "
+                                "rope rotates the whole head)")
+  scalings = {field: _rope_scaling(hf, field, spec, config_path)
+              for field, spec in specs.items()}
+  if len(scalings) == 2 and scalings["rope_scaling"] != scalings["rope_parameters"]:
+    raise HFCheckpointError(f"{config_path}: rope_scaling and rope_parameters disagree "
+                            f"({hf['rope_scaling']!r} vs {hf['rope_parameters']!r})")
+  out = next(iter(scalings.values()), {"rope_scaling": "none"})
+  out["rope_theta"] = float(next(iter(thetas.values()), 10000.0))
+  return out
 
 
 def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: bool = False,
@@ -135,7 +193,7 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
     raise NotImplementedError(f"{config_path}: mlp_bias=true is not supported")
   if hf.get("use_sliding_window", False):
     raise NotImplementedError(f"{config_path}: use_sliding_window=true is not supported")
-  rope_theta = _rope_fields(hf, config_path)
+  rope = _rope_fields(hf, config_path)
   try:
     d_model = int(hf["hidden_size"])
     num_heads = int(hf["num_attention_heads"])
@@ -149,7 +207,7 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
         vocab_size=int(hf["vocab_size"]), d_model=d_model,
         num_layers=int(hf["num_hidden_layers"]), num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=int(head_dim),
-        mlp_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
+        mlp_dim=int(hf["intermediate_size"]), **rope,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, qk_norm=qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), param_dtype=param_dtype,
         dtype=param_dtype, scan_layers=scan_layers)
@@ -259,6 +317,16 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
   if (cfg.qkv_bias, cfg.qk_norm) != (qkv_bias, qk_norm):
     raise ValueError(f"{architecture} needs qkv_bias={qkv_bias}, qk_norm={qk_norm}; the model "
                      f"has qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}")
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  max_positions = 32768
+  if cfg.rope_scaling != "none":
+    rope["rope_type"] = cfg.rope_scaling
+    for name, ours in _ROPE_TYPES[cfg.rope_scaling].items():
+      rope[name] = getattr(cfg, ours)
+    if cfg.rope_scaling == "llama3":
+      # transformers warns unless max_position_embeddings exceeds the original context.
+      max_positions = max(max_positions,
+                          int(cfg.rope_factor * cfg.rope_original_max_positions))
   out = {
     "architectures": [architecture],
     "model_type": model_type,
@@ -271,15 +339,18 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
     "head_dim": cfg.head_dim,
     "hidden_act": "silu",
     "rms_norm_eps": cfg.rms_eps,
-    # Both spellings: older transformers read rope_theta, newer ones rope_parameters.
+    # Both spellings: older transformers read rope_theta (and rope_scaling), newer ones
+    # rope_parameters.
     "rope_theta": cfg.rope_theta,
-    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    "rope_parameters": rope,
     "tie_word_embeddings": cfg.tie_embeddings,
-    "max_position_embeddings": 32768,
+    "max_position_embeddings": max_positions,
     "dtype": cfg.param_dtype,
     "torch_dtype": cfg.param_dtype,
     "use_cache": True,
   }
+  if cfg.rope_scaling != "none":
+    out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
   if model_type in ("llama", "qwen3"):
     out["attention_bias"] = False
   if model_type == "llama":

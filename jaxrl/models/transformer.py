@@ -1,8 +1,9 @@
 """Decoder-only language model of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
 
-RMSNorm, rotary position embeddings (HF "rotate half" layout), grouped-query attention, SwiGLU
-MLP, optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), optional tied
-embeddings, separate parameter and compute dtypes.
+RMSNorm, rotary position embeddings (HF "rotate half" layout, optionally with "linear" or
+Llama-3 frequency scaling), grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2),
+optional per-head q/k RMSNorm (Qwen3), optional tied embeddings, separate parameter and compute
+dtypes.
 
 Layer weights are stacked on a leading `[num_layers]` axis and the forward pass is a `lax.scan`
 over layers, so compile time does not grow with depth and the KV cache is one array per K and V.
@@ -16,6 +17,7 @@ serves three callers: the trainer (no cache, whole sequence), prefill (writes sl
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -27,6 +29,8 @@ from flax import nnx
 _MASK_VALUE = -1e30
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,15 @@ class ModelConfig:
   head_dim: int
   mlp_dim: int
   rope_theta: float = 10000.0
+  # Rotary frequency scaling for long context, as the checkpoint was trained with it (see
+  # `rope_inv_freq`): "none", "linear" (every frequency divided by `rope_factor`) or "llama3"
+  # (Llama 3.1+: low frequencies divided by `rope_factor`, high ones kept, a smooth ramp between,
+  # with band edges at `rope_original_max_positions / rope_{low,high}_freq_factor` positions).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
   rms_eps: float = 1e-6
   qkv_bias: bool = False
   qk_norm: bool = False
@@ -51,6 +64,22 @@ class ModelConfig:
   # lax.scan over layers keeps compile time flat in depth; unrolling is faster for shallow
   # models on CPU, where XLA splits the scan's backward into one loop per weight.
   scan_layers: bool = True
+
+  def __post_init__(self):
+    # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
+    # "none" somewhere, or fail deep inside jit.
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
+    if self.rope_scaling != "none" and not self.rope_factor > 0:
+      raise ValueError(f"rope_factor={self.rope_factor!r} must be > 0 with "
+                       f"rope_scaling={self.rope_scaling!r}")
+    if self.rope_scaling == "llama3" and not (
+        0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        and self.rope_original_max_positions > 0):
+      raise ValueError(
+          "rope_scaling='llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor and "
+          f"rope_original_max_positions > 0; got {self.rope_low_freq_factor}, "
+          f"{self.rope_high_freq_factor}, {self.rope_original_max_positions}")
 
   @classmethod
   def qwen2_5_0_5b(cls, **overrides) -> "ModelConfig":
@@ -103,10 +132,50 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """x: [B, T, H, Dh], positions: [B, T]. Non-interleaved halves, as in HF Llama/Qwen."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_positions: int = 8192) -> jax.Array:
+  """float32 [head_dim / 2] inverse frequencies (radians per position) of the rotary pairs.
+
+  Unscaled: `theta^(-2i/d)`. Scaling stretches a checkpoint's context by slowing the rotation:
+  "linear" divides every frequency by `factor` (position interpolation). "llama3" divides only
+  the frequencies whose wavelength `2*pi/f` exceeds `original_max_positions / low_freq_factor`
+  (they never completed a turn in pre-training, so they must be interpolated), keeps those
+  shorter than `original_max_positions / high_freq_factor` (they turned many times and carry
+  local order), and blends the two linearly in `original_max_positions / wavelength` between.
+  Neither type rescales cos/sin afterwards (HF's `attention_factor` is 1 for both).
+
+  All in float32 with HF's order of operations: the frequencies agree with transformers' to one
+  float32 ulp (computing in float64 and rounding once is no closer to them).
+  """
+  # The unscaled expression is kept exactly as it always was: default models stay bit-identical.
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling == "none":
+    return inv_freq
+  if scaling == "linear":
+    return inv_freq / factor
+  if scaling != "llama3":
+    raise ValueError(f"rope scaling={scaling!r} is not one of {ROPE_SCALINGS}")
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (original_max_positions / wavelen - low_freq_factor) / (
+      high_freq_factor - low_freq_factor)
+  blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+  low_band = wavelen > original_max_positions / low_freq_factor
+  high_band = wavelen < original_max_positions / high_freq_factor
+  return jnp.where(low_band, inv_freq / factor, jnp.where(high_band, inv_freq, blended))
+
+
+def config_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """`rope_inv_freq` for a model config."""
+  return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
+                       cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                       cfg.rope_original_max_positions)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """x: [B, T, H, Dh], positions: [B, T], inv_freq: [Dh/2] (`rope_inv_freq`). Non-interleaved
+  halves, as in HF Llama/Qwen."""
   dh = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   cos = jnp.cos(ang)[:, :, None, :]
   sin = jnp.sin(ang)[:, :, None, :]
@@ -210,6 +279,7 @@ class Transformer(nnx.Module):
 
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
+    inv_freq = config_inv_freq(cfg)  # one table for q and k of every layer
 
     def matmul(x, w):
       """x [B, T, Din] times a weight whose leading axis is Din: [B, T, Dout]."""
@@ -231,8 +301,8 @@ class Transformer(nnx.Module):
       if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-      q = rope(q, positions, cfg.rope_theta)
-      k = rope(k, positions, cfg.rope_theta).transpose(0, 2, 3, 1)  # [B, K, Dh, T]
+      q = rope(q, positions, inv_freq)
+      k = rope(k, positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, Dh, T]
       k_all, v_all = kv(k, v.transpose(0, 2, 1, 3))  # [B, K, Dh, S], [B, K, S, Dh]
       qg = q.reshape(B, T, K, G, cfg.head_dim)
       if T == 1:
