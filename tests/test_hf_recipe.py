@@ -1,8 +1,10 @@
-"""The real-model recipe (`configs/qwen2_5_0_5b_gsm8k.py`) end to end on a tiny random checkpoint.
+"""The real-model recipes (`configs/qwen2_5_0_5b_gsm8k.py`, `configs/llama3_2_1b_gsm8k.py`) end to
+end on tiny random checkpoints.
 
-A Qwen2-architecture model (q/k/v bias, tied embeddings, scanned layers) is initialised at random
-and written in Hugging Face format with `save_hf`, next to a byte-level BPE tokenizer with the
-real Qwen2.5 chat template and two EOS ids, plus a 16-row GSM8K-format JSONL. The recipe, with
+A Qwen2-architecture model (q/k/v bias, tied embeddings) or a Llama one (untied, Llama-3 rope
+scaling), with scanned layers, is initialised at random and written in Hugging Face format with
+`save_hf`, next to a byte-level BPE tokenizer with the family's real chat template and two EOS
+ids, plus a 16-row GSM8K-format JSONL. The recipe, with
 only its sizes overridden, runs 3 GRPO steps at its own lag of 1 on an 8-device fsdp mesh; then
 `python -m jaxrl.export` writes the last checkpoint back in Hugging Face format.
 """
@@ -20,7 +22,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from hf_fixtures import qwen_files  # noqa: E402  (tests/ is on sys.path)
+from hf_fixtures import llama_files, qwen_files  # noqa: E402  (tests/ is on sys.path)
 from jaxrl import config as config_lib, export, trainer  # noqa: E402
 from jaxrl.configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k  # noqa: E402
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -33,14 +35,24 @@ QUESTIONS = [(f"Tom has {a} apples and buys {b} more. How many apples does he ha
               (11, 11), (4, 9), (8, 8), (13, 2), (1, 1), (15, 5), (30, 12)]]
 
 
-def _model_dir(tmp_path) -> tuple[str, ModelConfig]:
-  path = qwen_files(tmp_path / "tiny-qwen")
+# family -> (recipe, tokenizer files, architecture, model fields, first token of every prompt)
+FAMILIES = {
+  "qwen2": (qwen2_5_0_5b_gsm8k, qwen_files, "Qwen2ForCausalLM",
+            dict(rope_theta=1e6, qkv_bias=True, tie_embeddings=True), "<|im_start|>"),
+  "llama3": (llama3_2_1b_gsm8k, llama_files, "LlamaForCausalLM",
+             dict(rope_theta=5e5, rope_scaling="llama3", rope_factor=8.0,
+                  rope_original_max_positions=64), "<|begin_of_text|>"),
+}
+
+
+def _model_dir(tmp_path, family="qwen2") -> tuple[str, ModelConfig]:
+  _, files, arch, fields, _ = FAMILIES[family]
+  path = files(tmp_path / f"tiny-{family}")
   vocab = HFTokenizer.from_dir(path).vocab_size
   cfg = ModelConfig(vocab_size=vocab + 13, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=16, mlp_dim=128, rope_theta=1e6, qkv_bias=True,
-                    tie_embeddings=True, scan_layers=True)
+                    head_dim=16, mlp_dim=128, scan_layers=True, **fields)
   _, params = init_model(cfg, seed=0)
-  save_hf(path, cfg, params, architecture="Qwen2ForCausalLM")
+  save_hf(path, cfg, params, architecture=arch)
   return path, cfg
 
 
@@ -50,8 +62,8 @@ def _jsonl(tmp_path) -> str:
   return str(path)
 
 
-def _recipe(model_dir, data, run_dir):
-  cfg = qwen2_5_0_5b_gsm8k.get_config()
+def _recipe(model_dir, data, run_dir, family="qwen2"):
+  cfg = FAMILIES[family][0].get_config()
   problems: list[str] = []
   cfg = config_lib.parse_overrides(cfg, [
       f"--config.model.hf_path={model_dir}", f"--config.task.path={data}",
@@ -69,10 +81,11 @@ def _recipe(model_dir, data, run_dir):
 
 
 @pytest.mark.slow
-def test_recipe_runs_three_grpo_steps_and_exports(tmp_path):
-  model_dir, model_cfg = _model_dir(tmp_path)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
+  model_dir, model_cfg = _model_dir(tmp_path, family)
   run_dir = tmp_path / "run"
-  cfg = _recipe(model_dir, _jsonl(tmp_path), run_dir)
+  cfg = _recipe(model_dir, _jsonl(tmp_path), run_dir, family)
   mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
   assert (mesh.data, mesh.fsdp, mesh.tensor) == (1, 8, 1)
   summary = trainer.run(cfg, str(run_dir), mesh)
@@ -85,7 +98,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path):
   assert [r["staleness/first_token/max"] for r in rl] == [0, 1, 1]
   # Prompts go through the chat template, with the model's two EOS ids.
   tok = trainer.make_tokenizer(cfg, source=None)
-  start_id = tok.encode("<|im_start|>", add_special_tokens=False)
+  start_id = tok.encode(FAMILIES[family][4], add_special_tokens=False)
   assert tok.encode_prompt("Q")[:len(start_id)] == start_id and len(tok.eos_ids) == 2
   assert sorted(r["step"] for r in rows if r["phase"] == "val") == [0, 3]
   assert summary["rl/steps"] == 3
