@@ -272,3 +272,19 @@ def llama_files(path, *, generation_config=True):
     gen = {"bos_token_id": bos, "do_sample": True, "temperature": 0.6, "top_p": 0.9,
            "eos_token_id": [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]}
   return save(path, tok, config, gen)
+
+
+def random_hf_model(config_cls: str, arch: str, seed: int, **config):
+  """A tiny random `transformers` model in f32 (needs the parity extra). Default init leaves
+  norms at 1 and biases at 0, which would hide a misplaced norm or bias, so both are perturbed."""
+  import torch
+  import transformers
+
+  torch.manual_seed(seed)
+  model = getattr(transformers, arch)(getattr(transformers, config_cls)(**config))
+  model = model.to(torch.float32).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith(".bias"):
+        p.add_(0.1 * torch.randn_like(p))
+  return model

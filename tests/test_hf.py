@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from jaxrl.models import abstract_model  # noqa: E402
+from hf_fixtures import random_hf_model  # noqa: E402  (tests/ is on sys.path)
 from jaxrl.models.hf import HFCheckpointError, load_hf, save_hf  # noqa: E402
 from jaxrl.parallel import make_mesh  # noqa: E402
 
@@ -52,18 +53,14 @@ ROPE_OFFSET = 100
 
 def _hf_model(variant: str, seed: int = 0):
   config_cls, arch, extra = VARIANTS[variant]
-  config = getattr(transformers, config_cls)(**COMMON, **extra)
-  torch.manual_seed(seed)
-  model = getattr(transformers, arch)(config).to(torch.float32).eval()
-  with torch.no_grad():
-    # Default init leaves norms at 1 and biases at 0, which would hide a misplaced norm or bias.
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith(".bias"):
-        p.add_(0.1 * torch.randn_like(p))
-      # Sharper attention, so that the rope frequencies (what the rope variants test) visibly
-      # move the logits.
-      if "rope" in variant and ("q_proj" in name or "k_proj" in name):
-        p.mul_(6.0)
+  model = random_hf_model(config_cls, arch, seed, **COMMON, **extra)
+  if "rope" in variant:
+    # Sharper attention, so that the rope frequencies (what the rope variants test) visibly
+    # move the logits.
+    with torch.no_grad():
+      for name, p in model.named_parameters():
+        if "q_proj" in name or "k_proj" in name:
+          p.mul_(6.0)
   return model
 
 

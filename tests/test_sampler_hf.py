@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from hf_fixtures import random_hf_model  # noqa: E402  (tests/ is on sys.path)
 from jaxrl.data.tokenizer import left_pad  # noqa: E402
 from jaxrl.models.hf import load_hf  # noqa: E402
 from jaxrl.rollout.sampler import make_sampler  # noqa: E402
@@ -49,15 +50,7 @@ MIN_MARGIN = 1e-3
 
 def _hf_model(variant: str):
   config_cls, arch, extra, seed, _ = VARIANTS[variant]
-  config = getattr(transformers, config_cls)(**COMMON, **extra)
-  torch.manual_seed(seed)
-  model = getattr(transformers, arch)(config).to(torch.float32).eval()
-  with torch.no_grad():
-    # Default init leaves norms at 1 and biases at 0, which would hide a misplaced norm or bias.
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith(".bias"):
-        p.add_(0.1 * torch.randn_like(p))
-  return model
+  return random_hf_model(config_cls, arch, seed, **COMMON, **extra)
 
 
 def _hf_logits(model, seqs) -> list[np.ndarray]:

@@ -3,7 +3,7 @@
 Needs two things on disk (nothing is downloaded at run time):
 - `model.hf_path`: the Hugging Face model directory (config.json, model.safetensors,
   tokenizer.json, tokenizer_config.json, generation_config.json), e.g. from
-  `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct`;
+  `hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct`;
 - `task.path` / `task.val_path`: GSM8K-format JSONL, one {"question", "answer"} object per line,
   the final answer after "####" (the `main` config of openai/gsm8k, train and test splits).
 
