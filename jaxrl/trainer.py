@@ -84,9 +84,13 @@ def make_tokenizer(cfg, source):
   """The model's own tokenizer with `model.hf_path`, else a character tokenizer over the task's
   alphabet (the built-in tasks say which characters their text can hold)."""
   if cfg.model.hf_path:
-    from jaxrl.data.hf_tokenizer import HFTokenizer
-    return HFTokenizer.from_dir(cfg.model.hf_path, use_chat_template=cfg.tokenizer.chat_template,
-                                system_prompt=cfg.tokenizer.system_prompt or None)
+    from jaxrl.data.hf_tokenizer import HFTokenizer, HFTokenizerError
+    try:
+      return HFTokenizer.from_dir(cfg.model.hf_path,
+                                  use_chat_template=cfg.tokenizer.chat_template,
+                                  system_prompt=cfg.tokenizer.system_prompt or None)
+    except HFTokenizerError as e:  # names the file and the field
+      raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
   return CharTokenizer(source.alphabet)
 
 
@@ -132,9 +136,12 @@ class Parts:
     self.mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
     if hf_path:
       # Straight onto the mesh from the memory-mapped files; the compute dtype is the run's.
-      self.model_cfg, _, self.params = hf_lib.load_hf(
-          hf_path, mesh=self.mesh, param_dtype=cfg.model.param_dtype,
-          scan_layers=cfg.model.scan_layers)
+      try:
+        self.model_cfg, _, self.params = hf_lib.load_hf(
+            hf_path, mesh=self.mesh, param_dtype=cfg.model.param_dtype,
+            scan_layers=cfg.model.scan_layers)
+      except hf_lib.HFCheckpointError as e:  # a missing shard or tensor, a wrong shape
+        raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
       self.model_cfg = dataclasses.replace(self.model_cfg, dtype=cfg.model.dtype)
       self.graphdef, _ = abstract_model(self.model_cfg)
     else:

@@ -151,3 +151,27 @@ def test_hf_path_rejects_architecture_keys_and_warmup(tmp_path):
   assert [p.split(":")[0] for p in e.value.problems] == ["config.model.num_layers",
                                                          "config.sft.enabled"]
   assert "character-tokenizer ids" in e.value.problems[1]
+
+
+def test_broken_model_directory_is_a_config_error_naming_the_file(tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  model_dir, _ = _model_dir(tmp_path)
+  cfg = _recipe(model_dir, _jsonl(tmp_path), tmp_path / "run")
+  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  weights = os.path.join(model_dir, "model.safetensors")
+  tensors = load_file(weights)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, weights)
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.hf_path: .*model\.safetensors: "
+                     r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' is missing"):
+    trainer.Parts(cfg, mesh)
+
+  path = os.path.join(model_dir, "tokenizer_config.json")
+  with open(path) as f:
+    tok_cfg = json.load(f)
+  tok_cfg["eos_token"] = "<|no-such-token|>"
+  with open(path, "w") as f:
+    json.dump(tok_cfg, f)
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.hf_path: .*tokenizer_config"):
+    trainer.Parts(cfg, mesh)
