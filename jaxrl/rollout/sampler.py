@@ -73,6 +73,36 @@ def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
   return jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda z: z, z)
 
 
+def pick_tokens(logits: jax.Array, t: jax.Array | int, request_keys: jax.Array,
+                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """Draws token t of each row from logits [B, V] -> (tokens [B] int32, log-probs [B] f32).
+
+  Shared by the static sampler and the slot engine so that both draw the same token from the
+  same logits: row i uses `fold_in(request_keys[i], t)` (t a scalar or one per row), greedy
+  where `temperature <= 0`, top-k/top-p truncation only for the draw, and the log-prob contract
+  of `token_logprobs` over the full vocabulary. Temperature, top-k and top-p are scalars (one
+  setting for the batch) or one per row (the engine's slots each hold their own request).
+  """
+  greedy = temperature <= 0
+  z = scale_logits(logits, temperature)
+  if jnp.ndim(top_k) == 0 and jnp.ndim(top_p) == 0:
+    z = filter_logits(z, top_k, top_p)
+  else:
+    b = z.shape[0]
+    top_k, top_p = jnp.broadcast_to(top_k, (b,)), jnp.broadcast_to(top_p, (b,))
+    per_row = jax.vmap(lambda z, k, p: filter_logits(z[None], k, p)[0])
+    # Under vmap the inner cond becomes a select that always sorts; skip it when no row
+    # truncates, as the scalar path does.
+    z = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), per_row, lambda z, k, p: z,
+                     z, top_k, top_p)
+  t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), request_keys.shape)
+  keys = jax.vmap(jax.random.fold_in)(request_keys, t)
+  drawn = jax.vmap(jax.random.categorical)(keys, z)
+  tok = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
+  return tok, token_logprobs(logits, tok, temperature)
+
+
 def make_sampler(
     graphdef: nnx.GraphDef,
     *,
@@ -110,14 +140,6 @@ def make_sampler(
     prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
     return cache, rep(last_logits, 0), rep(prompt_lens, 0)
 
-  def pick(logits, t, request_keys, temperature, top_k, top_p):
-    greedy = temperature <= 0
-    z = filter_logits(scale_logits(logits, temperature), top_k, top_p)
-    keys = jax.vmap(jax.random.fold_in, (0, None))(request_keys, t)
-    drawn = jax.vmap(jax.random.categorical)(keys, z)
-    tok = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
-    return tok, token_logprobs(logits, tok, temperature)
-
   def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
     model = nnx.merge(graphdef, params)
     # Unrolled models: per-layer weights prepared once here rather than sliced in every step.
@@ -140,14 +162,14 @@ def make_sampler(
       hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
                             s.cache, Lp + s.t - 1, layers=layers)
       logits = model.logits(hidden[:, 0])
-      return emit(s._replace(cache=cache), *pick(logits, s.t, request_keys, temperature, top_k,
-                                                 top_p))
+      return emit(s._replace(cache=cache), *pick_tokens(logits, s.t, request_keys, temperature,
+                                                        top_k, top_p))
 
     empty = _DecodeState(cache, jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
                          jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
                          jnp.zeros((B, N), bool))
     # Token 0 comes from prefill's logits; the loop draws tokens 1.. until all rows ended.
-    s = emit(empty, *pick(first_logits, 0, request_keys, temperature, top_k, top_p))
+    s = emit(empty, *pick_tokens(first_logits, 0, request_keys, temperature, top_k, top_p))
     s = jax.lax.while_loop(lambda s: (s.t < N) & ~jnp.all(s.done), body, s)
     return SampleOutput(s.tokens, s.logprobs, s.mask, s.mask.sum(-1).astype(jnp.int32)), s.cache
 
