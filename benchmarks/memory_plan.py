@@ -24,6 +24,10 @@ counts in full on every device). Totals:
   PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b,1.5b,7b --devices 8 --mesh 1,8,1
   PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b,1.5b --devices 8 --compile
   PYTHONPATH=. python benchmarks/memory_plan.py --quick   # smoke test: tiny model, compiled
+  PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b --compile --remat full
+
+`--remat none|full|dots` sets `ModelConfig.remat` (per-layer rematerialisation in the train step;
+the sampler never uses it); the default is the default run config's `model.remat` ("none").
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ import numpy as np  # noqa: E402
 
 from jaxrl.configs.default import get_config  # noqa: E402
 from jaxrl.kernels.fused_logprob.api import default_impl  # noqa: E402
-from jaxrl.models.transformer import ModelConfig, abstract_model  # noqa: E402
+from jaxrl.models.transformer import REMAT_POLICIES, ModelConfig, abstract_model  # noqa: E402
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jaxrl.rollout.sampler import make_sampler  # noqa: E402
 from jaxrl.train_step import build_train_step, make_optimizer  # noqa: E402
@@ -101,12 +105,13 @@ def log(*a):
   print(*a, file=sys.stderr, flush=True)
 
 
-def qwen_config(name: str, param_dtype: str = "bfloat16", dtype: str | None = None
-                ) -> ModelConfig:
+def qwen_config(name: str, param_dtype: str = "bfloat16", dtype: str | None = None,
+                remat: str = "none") -> ModelConfig:
   """Qwen2.5 shapes (qkv bias, RoPE theta 1e6, RMSNorm eps 1e-6), layers scanned."""
   _, shape, _ = QWEN[name]
   return ModelConfig(**shape, rope_theta=1e6, rms_eps=1e-6, qkv_bias=True,
-                     param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=True)
+                     param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=True,
+                     remat=remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +328,7 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
       "mesh": dict(mesh.shape),
       "param_dtype": model_cfg.param_dtype,
       "dtype": model_cfg.dtype,
+      "remat": model_cfg.remat,
       "sizes": dataclasses.asdict(sizes),
       "per_device_bytes": b,
       "global_bytes": g,
@@ -343,7 +349,7 @@ def summary_row(name: str, r: dict) -> dict:
   gib = r["per_device_gib"]
   ma = r["train_step"].get("memory_analysis") or {}
   return {"model": name, "params": r["params"],
-          "mesh": "x".join(str(v) for v in r["mesh"].values()),
+          "mesh": "x".join(str(v) for v in r["mesh"].values()), "remat": r["remat"],
           "params_gib": gib["params"], "optimizer_gib": gib["optimizer_state"],
           "gradients_gib": gib["gradients"], "kv_cache_gib": gib["kv_cache"],
           "kv_cache_shards": r["kv_cache"]["shards"],
@@ -362,6 +368,9 @@ def main():
                   help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
   ap.add_argument("--param-dtype", default="bfloat16", help="float32 | bfloat16")
   ap.add_argument("--dtype", default=None, help="compute dtype (KV cache too); default: param")
+  ap.add_argument("--remat", default=None, choices=tuple(REMAT_POLICIES),
+                  help="per-layer rematerialisation of the train step (ModelConfig.remat); "
+                       "default: the default run config's model.remat")
   ap.add_argument("--prompts", type=int, default=16, help="P: rollout prompts per step")
   ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
   ap.add_argument("--prompt-len", type=int, default=512, help="rollout prompt length")
@@ -389,6 +398,7 @@ def main():
     ap.error(f"--mesh {args.mesh} needs {math.prod(mesh_shape)} devices, have "
              f"{jax.device_count()} (--devices N simulates N CPU devices)")
   mesh = make_mesh(*mesh_shape)
+  remat = args.remat or get_config().model.remat
   seq = args.seq or args.prompt_len + args.new_tokens
   train_lp = min(args.prompt_len, seq - 1)
   sizes = Sizes(rows=args.batch or args.prompts * args.group, train_prompt_len=train_lp,
@@ -399,7 +409,7 @@ def main():
     models = {"tiny": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4,
                                   num_kv_heads=2, head_dim=16, mlp_dim=128,
                                   param_dtype=args.param_dtype,
-                                  dtype=args.dtype or args.param_dtype)}
+                                  dtype=args.dtype or args.param_dtype, remat=remat)}
     sizes = Sizes(16, 8, 8, 2, 4, 4, 8, 8)
     to_compile = {"tiny"}
   else:
@@ -407,7 +417,7 @@ def main():
     for n in names:
       if n not in QWEN:
         ap.error(f"unknown model {n!r}; choose from {', '.join(QWEN)}")
-    models = {n: qwen_config(n, args.param_dtype, args.dtype) for n in names}
+    models = {n: qwen_config(n, args.param_dtype, args.dtype, remat) for n in names}
     to_compile = set(names) if args.compile == "all" else \
         {m.strip().lower() for m in args.compile.split(",") if m.strip()}
     if to_compile - set(names):

@@ -112,6 +112,7 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("model.rms_eps", _gt(0)),
     ("model.param_dtype", _one_of(DTYPES)),
     ("model.dtype", _one_of(DTYPES)),
+    ("model.remat", _one_of({"none", "full", "dots"})),  # models.transformer.REMAT_POLICIES
     ("model.init_std", _gt(0)),
     ("task.num_digits", (lambda v: 1 <= v <= 4, "in [1, 4] (task 'add' permutes all 10^(2n) "
                          "operand pairs once: 5 digits would need 80 GB)")),

@@ -19,7 +19,10 @@
 - A non-finite gradient skips the update (params and optimizer state unchanged, `step` not
   advanced) and sets `skipped_nonfinite`; nothing raises inside jit.
 - Shardings are explicit: params and optimizer state by the logical-axis rules, batch rows over
-  ('data', 'fsdp'), metrics replicated. Params and optimizer state are donated.
+  ('data', 'fsdp'), metrics replicated. Params and optimizer state are donated. The step traces
+  under its mesh (`jax.sharding.use_abstract_mesh`), so the model keeps its activations split by
+  rows over ('data', 'fsdp') too (`parallel.sharding.constrain_rows`) instead of following the
+  weights' d_model split.
 """
 
 from __future__ import annotations
@@ -136,7 +139,17 @@ def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
 
 def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
                row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
-  """Pure step; see the module docstring. `row_sharding` constrains each micro-batch's rows."""
+  """Pure step; see the module docstring. `row_sharding` constrains each micro-batch's rows and,
+  through its mesh, the model's activations."""
+  if row_sharding is not None:
+    with jax.sharding.use_abstract_mesh(row_sharding.mesh.abstract_mesh):
+      return _train_step(state, batch, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
+                         row_sharding=row_sharding)
+  return _train_step(state, batch, graphdef=graphdef, optimizer=optimizer, cfg=cfg)
+
+
+def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
+                row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
   m = cfg.num_microbatches
   clip = cfg.adv_clip
   has_tokens = jnp.any(batch.mask, axis=-1)

@@ -142,7 +142,8 @@ class Parts:
             scan_layers=cfg.model.scan_layers)
       except hf_lib.HFCheckpointError as e:  # a missing shard or tensor, a wrong shape
         raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
-      self.model_cfg = dataclasses.replace(self.model_cfg, dtype=cfg.model.dtype)
+      self.model_cfg = dataclasses.replace(self.model_cfg, dtype=cfg.model.dtype,
+                                           remat=cfg.model.remat)
       self.graphdef, _ = abstract_model(self.model_cfg)
     else:
       self.model_cfg = ModelConfig.from_config(cfg.model, self.tok.vocab_size)

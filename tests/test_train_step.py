@@ -32,8 +32,9 @@ def _batch(seed=0, vocab=32) -> TrainBatch:
                     np.full(B, 0.9, np.float32))
 
 
-def _run(mesh_shape, num_microbatches=1, loss="rl", batch=None, steps=2, step_cfg=None):
-  cfg = tiny_model_config()
+def _run(mesh_shape, num_microbatches=1, loss="rl", batch=None, steps=2, step_cfg=None,
+         **model_overrides):
+  cfg = tiny_model_config(**model_overrides)
   mesh = parallel.make_mesh(*mesh_shape)
   graphdef, params = init_model(cfg, seed=0)
   params = shard_params(params, mesh)
@@ -66,6 +67,37 @@ def test_sharded_step_matches_single_device(devices):
   # Two steps moved the params, so "equal" is not "both unchanged".
   _, init_params = init_model(tiny_model_config(), seed=0)
   assert _max_param_diff(state.params, init_params) > 1e-4
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_fsdp_step_with_row_split_activations_matches_single_device(devices, remat):
+  # Pure FSDP (rows and d_model both over 'fsdp'): the model pins its activations to the rows
+  # (`constrain_rows`), with and without rematerialisation; same result as one device.
+  ref_state, _, ref_losses = _run((1, 1, 1), num_microbatches=2, scan_layers=True)
+  state, _, losses = _run((1, 8, 1), num_microbatches=2, scan_layers=True, remat=remat)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  assert _max_param_diff(state.params, ref_state.params) <= 1e-5
+
+
+def test_activations_are_constrained_to_rows_only_on_a_multi_device_mesh(devices):
+  # The residual stream of every layer is pinned to ('data', 'fsdp') when the step has more
+  # than one row shard, and nothing is added on one device (the default run's program).
+  def constraints(mesh_shape):
+    cfg = tiny_model_config(scan_layers=False)
+    mesh = parallel.make_mesh(*mesh_shape)
+    graphdef, params = init_model(cfg, seed=0)
+    step, init = build_train_step(graphdef, make_optimizer(1e-3), StepConfig(), mesh, params)
+    state = jax.eval_shape(init, shard_params(params, mesh))
+    batch = jax.device_put(_batch(), parallel.batch_sharding(mesh))
+    text = step.jitted.lower(state, batch).as_text()
+    return text.count("sharding_constraint"), text
+
+  n1, _ = constraints((1, 1, 1))
+  n8, text = constraints((1, 8, 1))
+  # One device: only the step's own constraints on each micro-batch's fields (7 here), as before.
+  assert n1 == 7
+  assert n8 > n1 + 2 * tiny_model_config().num_layers
+  assert '[{"data", "fsdp"}, {}, {}]' in text
 
 
 def test_microbatches_match_single_batch():

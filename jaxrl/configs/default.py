@@ -51,6 +51,7 @@ def get_config() -> ConfigDict:
   c.model.dtype = "float32"  # compute dtype; logprobs are always float32
   c.model.init_std = 0.02
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
+  c.model.remat = "none"  # recompute each layer in the backward pass: "none" | "full" | "dots"
 
   # How prompts become tokens with a Hugging Face tokenizer (model.hf_path).
   c.tokenizer = ConfigDict()

@@ -28,6 +28,7 @@ def get_config():
   c.model.param_dtype = "float32"  # master weights and Adam moments in f32
   c.model.dtype = "bfloat16"  # compute; log-probs are always f32
   c.model.scan_layers = True  # 24 layers: compile time flat in depth
+  c.model.remat = "full"  # 1536-token rows: keep layer inputs, not [rows, heads, T, T] scores
 
   c.task.name = "math"
   c.task.path = "data/gsm8k/train.jsonl"

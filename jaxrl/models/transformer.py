@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.parallel.sharding import constrain_rows
+
 # Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to
 # a harmless uniform row instead of NaN.
 _MASK_VALUE = -1e30
@@ -31,6 +33,18 @@ _MASK_VALUE = -1e30
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
+
+# Rematerialisation of each layer in the backward pass (`ModelConfig.remat`): what a layer saves
+# for its gradient. None = save everything (checkpointing off).
+REMAT_POLICIES = {
+    "none": None,
+    # Only the layer's inputs; the whole layer is recomputed in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Also the outputs of the weight matmuls (q/k/v, out, gate/up, down projections): only the
+    # attention core (scores, softmax: the [rows, heads, T, T] tensors) and elementwise ops are
+    # recomputed.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +78,18 @@ class ModelConfig:
   # lax.scan over layers keeps compile time flat in depth; unrolling is faster for shallow
   # models on CPU, where XLA splits the scan's backward into one loop per weight.
   scan_layers: bool = True
+  # Rematerialisation in training (`REMAT_POLICIES`): "none", "full" or "dots". Without it the
+  # backward pass keeps every layer's f32 attention scores and probabilities [rows, heads, T, T];
+  # with it each layer keeps its input (and for "dots" its matmul outputs) and recomputes the
+  # rest. Same values either way; only forward passes without a KV cache (training, scoring) use
+  # it.
+  remat: str = "none"
 
   def __post_init__(self):
     # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
     # "none" somewhere, or fail deep inside jit.
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
     if self.rope_scaling != "none" and not self.rope_factor > 0:
@@ -264,7 +286,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     B, T = tokens.shape
-    x = self.embed[...].astype(dt)[tokens]
+    x = constrain_rows(self.embed[...].astype(dt)[tokens])
 
     if cache is None:
       key_valid = valid  # [B, S=T]
@@ -289,6 +311,11 @@ class Transformer(nnx.Module):
       """One decoder layer; `kv(k, v)` stores the new keys/values and returns all of them;
       `dense(x, name)` multiplies by weight `name` (default: `p[name]`)."""
       dense = dense or (lambda x, name: matmul(x, p[name]))
+      # Under a training mesh, rows stay split over the batch axes through the layer (see
+      # `constrain_rows`): the residual stream with d_model whole, intermediates row-split with
+      # their other dims left to XLA.
+      h = constrain_rows(h)
+      rows = lambda x: constrain_rows(x, jax.sharding.PartitionSpec.UNCONSTRAINED)
       heads = lambda x: x.reshape(B, T, -1, cfg.head_dim)
       a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
       if "wqkv" in p:
@@ -320,16 +347,20 @@ class Transformer(nnx.Module):
         o = o.reshape(B, 1, cfg.num_heads, cfg.head_dim)
       else:
         o = jnp.einsum("bkgts,bksd->btkgd", w, v_all).reshape(B, T, cfg.num_heads, cfg.head_dim)
-      h = h + dense(o.reshape(B, T, -1), "wo")
+      h = constrain_rows(h + rows(dense(rows(o.reshape(B, T, -1)), "wo")))
       m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
       if "w_gate_up" in p:
         gate, up = jnp.split(dense(m, "w_gate_up"), 2, axis=-1)
       else:
         gate, up = dense(m, "w_gate"), dense(m, "w_up")
-      return h + dense(jax.nn.silu(gate) * up, "w_down")
+      return constrain_rows(h + rows(dense(rows(jax.nn.silu(gate) * up), "w_down")))
 
     def write(buf, new, at):
       return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), at)
+
+    # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
+    # prefill never take gradients, and their programs stay exactly as they are.
+    policy = REMAT_POLICIES[cfg.remat] if cache is None else None
 
     new_cache = None
     if not cfg.scan_layers:
@@ -343,7 +374,10 @@ class Transformer(nnx.Module):
           ks.append(write(cache.k[i], k, (0, 0, 0, cache_index)))
           vs.append(write(cache.v[i], v, (0, 0, cache_index, 0)))
           return ks[-1], vs[-1]
-        x = block(x, layers[i], kv)
+        if policy is None:
+          x = block(x, layers[i], kv)
+        else:
+          x = jax.checkpoint(lambda h, p, kv=kv: block(h, p, kv), policy=policy)(x, layers[i])
       if cache is not None:
         new_cache = KVCache(tuple(ks), tuple(vs), key_valid)
     else:
@@ -379,6 +413,10 @@ class Transformer(nnx.Module):
         h = block(h, p, kv, layer_dense)
         return (h, out.get("k", k_cache), out.get("v", v_cache)), None
 
+      if policy is not None:
+        # prevent_cse=False, as JAX advises under scan: the loop already keeps XLA from merging
+        # the recomputation back into the forward pass, and the barriers would only cost.
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
       init = (x, None, None) if cache is None else (x, cache.k, cache.v)
       (x, k_cache, v_cache), _ = jax.lax.scan(body, init, (stacked, jnp.arange(cfg.num_layers)))
       if cache is not None:

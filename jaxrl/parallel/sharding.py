@@ -57,6 +57,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def constrain_rows(x: jax.Array, trailing=None) -> jax.Array:
+  """Pins an activation's leading (row) axis to the batch axes of the mesh being traced under.
+
+  Under FSDP the partitioner otherwise follows the weights, which are split over 'fsdp' along
+  d_model: it keeps activations split over d_model for every row of the micro-batch (or whole),
+  not split by rows. `trailing` is the spec of the other dims: `None` replicates them (the
+  residual stream, as every FSDP layer all-gathers its weights), `P.UNCONSTRAINED` leaves them
+  to XLA (e.g. heads or MLP columns over 'tensor').
+
+  A no-op unless traced under a mesh (`jax.sharding.use_abstract_mesh`, as `train_step` does)
+  that has both batch axes, more than one shard over them, and a row count they divide: callers
+  without a mesh (tests, the sampler) and one-device runs trace exactly the same program.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    return x
+  shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+  if shards == 1 or x.ndim == 0 or x.shape[0] % shards:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *[trailing] * (x.ndim - 1)))
+
+
 def _spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
   logical = PARAM_AXES.get(name)
   if logical is None or len(logical) != len(shape):
