@@ -114,6 +114,9 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("model.dtype", _one_of(DTYPES)),
     ("model.remat", _one_of({"none", "full", "dots"})),  # models.transformer.REMAT_POLICIES
     ("model.init_std", _gt(0)),
+    ("rollout.engine", _one_of(("static", "continuous"))),
+    ("rollout.engine_slots", _ge(0)),
+    ("rollout.engine_steps", _ge(1)),
     ("task.num_digits", (lambda v: 1 <= v <= 4, "in [1, 4] (task 'add' permutes all 10^(2n) "
                          "operand pairs once: 5 digits would need 80 GB)")),
     ("task.dev_size", _ge(1)),
@@ -368,6 +371,11 @@ def _check_distributed(good: dict[str, Any], problems: list[str]) -> None:
           f"{p}rollout.lag: must be 0 with {p}distributed.num_processes > 1 (got "
           f"{good['rollout.lag']}): every process must launch computations in the same order, "
           "and a lagged rollout thread samples while the trainer trains")
+    if good.get("rollout.engine") == "continuous":
+      problems.append(
+          f"{p}rollout.engine: must be 'static' with {p}distributed.num_processes > 1: the "
+          "continuous engine's host driver reads every slot's state, which several processes "
+          "do not each hold")
 
 
 def _add_lengths(num_digits: int) -> tuple[int, int, int]:

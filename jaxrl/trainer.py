@@ -45,6 +45,7 @@ from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
 from jaxrl.pipeline.validator import Validator
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
+from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampler import make_sampler
 from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
@@ -78,6 +79,21 @@ def _one_source(cfg, name: str):
     return MathSource.from_jsonl(t.path, val_path=t.val_path or None, seed=cfg.seed,
                                  instruction=t.instruction)
   raise KeyError(f"unknown task {name!r}; built in: {TASK_NAMES}")
+
+
+def engine_sampler(engine: Engine, group_size: int):
+  """The continuous engine behind the static sampler's call signature (`MultiTurn` calls
+  either): left-padded prompt rows become token lists, and `group_size` samples of each come
+  back prompt-major, with the same tokens as the static sampler for the same keys."""
+
+  def sample(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0):
+    prompts, valid = np.asarray(prompts), np.asarray(prompt_valid)
+    rows = [p[v].tolist() for p, v in zip(prompts, valid)]
+    return engine.run(params, rows, np.asarray(request_ids), key, temperature, top_k, top_p,
+                      group_size=group_size)
+
+  sample.engine = engine
+  return sample
 
 
 def make_tokenizer(cfg, source):
@@ -154,11 +170,21 @@ class Parts:
     self._passes = 0
 
     common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_ids, pad_id=self.tok.pad_id)
-    self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
-    # Later turns: every row continues its own context (compiled only if a task has them).
-    sample_next = make_sampler(self.graphdef, num_samples=1, **common)
-    self.sample_val = make_sampler(self.graphdef, num_samples=cfg.val.samples_per_prompt,
-                                   **common)
+    if r.engine == "continuous":
+      def engine(group_size, prompt_len, rows):
+        slots = r.engine_slots or rows
+        return engine_sampler(Engine(self.graphdef, num_slots=slots, max_prompt_len=prompt_len,
+                                     steps_per_dispatch=r.engine_steps, **common), group_size)
+      P, G, k = r.num_prompts, r.group_size, cfg.val.samples_per_prompt
+      self.sample = engine(G, r.max_prompt_len, P * G)
+      sample_next = engine(1, r.max_prompt_len + (r.max_total_tokens or r.max_new_tokens), P * G)
+      self.sample_val = engine(k, r.max_prompt_len, cfg.val.batch_size * k)
+    else:
+      self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
+      # Later turns: every row continues its own context (compiled only if a task has them).
+      sample_next = make_sampler(self.graphdef, num_samples=1, **common)
+      self.sample_val = make_sampler(self.graphdef, num_samples=cfg.val.samples_per_prompt,
+                                     **common)
     self.budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                          max_total_tokens=r.max_total_tokens or r.max_new_tokens,
                          max_turns=r.max_turns)

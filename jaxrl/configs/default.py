@@ -104,6 +104,12 @@ def get_config() -> ConfigDict:
   c.rollout.max_regenerations = 8  # re-samples of filtered groups per batch before failing
   c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
   c.rollout.partial_rollouts = False  # decode across weight updates (not supported yet)
+  # Generation: "static" (every row of a batch decodes until the slowest ends) or "continuous"
+  # (a slot engine: a finished row's slot takes the next waiting row at once; same tokens for
+  # the same keys).
+  c.rollout.engine = "static"
+  c.rollout.engine_slots = 0  # continuous: decode slots; 0 = one per row of a batch
+  c.rollout.engine_steps = 8  # continuous: decode steps per dispatch between slot refills
 
   # Dynamic sampling: drop every group whose rewards do not vary (no learning signal) and keep
   # the batch at P groups. Lag 0: whole extra generation batches fill a pending cache; lag > 0:
