@@ -140,9 +140,6 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.lag", _ge(0)),
     ("rollout.max_regenerations", _ge(0)),
     ("rollout.stall_timeout_s", _gt(0)),
-    ("rollout.partial_rollouts",
-     (lambda v: v is False, "false: partial rollouts (decoding across a weight update) are not "
-      "supported yet")),
     ("task.weights", (lambda v: v == "" or _floats_ok(v),
                       "'' (equal) or comma-separated numbers >= 0, not all 0")),
     ("resume", (lambda v: v in ("auto", "none") or os.path.isdir(v),
@@ -581,6 +578,11 @@ def validate(cfg: ConfigDict, num_devices: int,
     problems.append(
         f"{_PREFIX}val.temperature: must be > 0 with {_PREFIX}val.samples_per_prompt = "
         f"{good['val.samples_per_prompt']} (greedy samples of one prompt are all the same)")
+  if good.get("rollout.partial_rollouts") and good.get("rollout.engine", "static") != "continuous":
+    problems.append(
+        f"{_PREFIX}rollout.partial_rollouts: needs {_PREFIX}rollout.engine = 'continuous' (the "
+        "static sampler decodes a whole batch on one params version), got "
+        f"{good.get('rollout.engine')!r}")
   if have("rollout.max_total_tokens", "rollout.max_new_tokens") and \
       0 < good["rollout.max_total_tokens"] < good["rollout.max_new_tokens"]:
     problems.append(

@@ -81,19 +81,41 @@ def _one_source(cfg, name: str):
   raise KeyError(f"unknown task {name!r}; built in: {TASK_NAMES}")
 
 
-def engine_sampler(engine: Engine, group_size: int):
+def engine_sampler(engine: Engine, group_size: int, newest=None):
   """The continuous engine behind the static sampler's call signature (`MultiTurn` calls
   either): left-padded prompt rows become token lists, and `group_size` samples of each come
-  back prompt-major, with the same tokens as the static sampler for the same keys."""
+  back prompt-major, with the same tokens as the static sampler for the same keys.
 
-  def sample(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0):
+  `newest() -> (version, params) | None` turns on partial rollouts: the batch starts on the
+  params it was given (so its first tokens are exactly as stale as the forced lag says) and,
+  between decode dispatches, switches to any newer published version; every token is stamped
+  with the version that produced it (`EngineOutput.versions`).
+  """
+
+  def sample(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0,
+             version=0):
     prompts, valid = np.asarray(prompts), np.asarray(prompt_valid)
     rows = [p[v].tolist() for p, v in zip(prompts, valid)]
+    source = None if newest is None else _partial_source(newest, version, params)
     return engine.run(params, rows, np.asarray(request_ids), key, temperature, top_k, top_p,
-                      group_size=group_size)
+                      group_size=group_size, version=version, params_source=source)
 
   sample.engine = engine
   return sample
+
+
+def _partial_source(newest, version: int, params):
+  """The engine's `params_source` for one batch: its own `(version, params)` at the first call
+  (the batch's first tokens keep the forced lag), then whichever is newer of those and
+  `newest()`."""
+  started = []
+
+  def source():
+    got = newest() if started else None
+    started.append(True)
+    return got if got is not None and got[0] > version else (version, params)
+
+  return source
 
 
 def make_tokenizer(cfg, source):
@@ -170,14 +192,21 @@ class Parts:
     self._passes = 0
 
     common = dict(max_new_tokens=r.max_new_tokens, eos_id=self.tok.eos_ids, pad_id=self.tok.pad_id)
+    # Partial rollouts: `rl` points this at the params handoff's newest version.
+    self.newest_params = lambda: None
     if r.engine == "continuous":
-      def engine(group_size, prompt_len, rows):
+      def engine(group_size, prompt_len, rows, partial=False):
         slots = r.engine_slots or rows
+        newest = (lambda: self.newest_params()) if partial else None
         return engine_sampler(Engine(self.graphdef, num_slots=slots, max_prompt_len=prompt_len,
-                                     steps_per_dispatch=r.engine_steps, **common), group_size)
+                                     steps_per_dispatch=r.engine_steps, **common), group_size,
+                              newest)
       P, G, k = r.num_prompts, r.group_size, cfg.val.samples_per_prompt
-      self.sample = engine(G, r.max_prompt_len, P * G)
-      sample_next = engine(1, r.max_prompt_len + (r.max_total_tokens or r.max_new_tokens), P * G)
+      partial = r.partial_rollouts
+      self.sample = engine(G, r.max_prompt_len, P * G, partial)
+      sample_next = engine(1, r.max_prompt_len + (r.max_total_tokens or r.max_new_tokens), P * G,
+                           partial)
+      # Validation measures the params of one step: never partial.
       self.sample_val = engine(k, r.max_prompt_len, cfg.val.batch_size * k)
     else:
       self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
@@ -599,6 +628,8 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   gate = LagGate(L, r.stall_timeout_s)
   rollouts = Rollouts(parts, gate)
   handoff = ParamsHandoff()
+  if r.partial_rollouts:
+    parts.newest_params = handoff.latest
   skipped = 0
   start = 0
   if resume is not None:

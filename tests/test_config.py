@@ -123,7 +123,7 @@ def test_int_is_accepted_where_float_is_expected():
     ("rollout.lag", -1, "must be >= 0, got -1"),
     ("rollout.stall_timeout_s", 0.0, "must be > 0"),
     ("rollout.max_regenerations", -2, "must be >= 0"),
-    ("rollout.partial_rollouts", True, "not supported yet"),
+    ("rollout.partial_rollouts", True, "needs config.rollout.engine = 'continuous'"),
     ("mesh.fsdp", 0, "must be >= 1 or -1, got 0"),
     ("dynamic_sampling.tol", -0.1, "must be >= 0"),
     ("dynamic_sampling.max_gen_batches", 0, "must be >= 1, got 0"),

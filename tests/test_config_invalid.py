@@ -66,8 +66,10 @@ CASES = [
     ("top_p_zero", ["--config.rollout.top_p=0"], ["rollout.top_p"], "in (0, 1]"),
     ("total_budget_below_a_turn", ["--config.rollout.max_total_tokens=3"],
      ["rollout.max_total_tokens"], "must be 0 or >= config.rollout.max_new_tokens = 4"),
-    ("partial_rollouts", ["--config.rollout.partial_rollouts=true"], ["rollout.partial_rollouts"],
-     "not supported yet"),
+    ("partial_rollouts_static", ["--config.rollout.partial_rollouts=true"],
+     ["rollout.partial_rollouts"], "needs config.rollout.engine = 'continuous'"),
+    ("unknown_engine", ["--config.rollout.engine=vllm"], ["rollout.engine"],
+     "must be one of ['continuous', 'static']"),
     ("misspelt_key", ["--config.rollout.max_new_token=8"], ["rollout.max_new_token"],
      "did you mean config.rollout.max_new_tokens?"),
     # dynamic_sampling

@@ -44,7 +44,8 @@ class FakeSampler:
   def __init__(self, group_size: int, m: int):
     self.G, self.m, self.calls = group_size, m, 0
 
-  def __call__(self, params, prompts, valid, key, request_ids, temperature, top_k=0, top_p=1.0):
+  def __call__(self, params, prompts, valid, key, request_ids, temperature, top_k=0, top_p=1.0,
+               version=0):
     self.calls += 1
     rows = np.repeat(np.arange(len(prompts)), self.G)
     salt = 0  # the context differs every turn; the key is not needed for determinism

@@ -48,3 +48,25 @@ def test_continuous_engine_is_refused_with_several_processes():
                   distributed__coordinator_address="127.0.0.1:1234")
   with pytest.raises(config_lib.ConfigError, match="config.rollout.engine: must be 'static'"):
     config_lib.validate(cfg, 8, task_names=trainer.TASK_NAMES)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_keep_the_forced_lag_for_first_tokens(tmp_path):
+  # Lag 1 with partial rollouts: batch b starts on params b - 1 and may switch to params b when
+  # the trainer publishes them mid-generation (one decode step per dispatch, few slots, so a
+  # batch spans many dispatches). Whether a switch happens depends on timing; what must hold
+  # always: the batch's first tokens are exactly 1 update old, no token is older, and versions
+  # are never newer than the step that trains on them.
+  cfg = _tiny_cfg(rollout__engine="continuous", rollout__engine_slots=4, rollout__engine_steps=1,
+                  rollout__partial_rollouts=True, rollout__lag=1, train__steps=4)
+  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  run_dir = tmp_path / "partial"
+  trainer.run(cfg, str(run_dir), mesh)
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert [r["batch_id"] for r in rl] == list(range(4))
+  for r in rl:
+    lag = min(r["batch_id"], 1)
+    assert r["staleness/first_token/max"] == lag, r
+    for kind in ("first_token", "last_token", "token_mean"):
+      assert 0 <= r[f"staleness/{kind}/min"] <= r[f"staleness/{kind}/max"] <= lag, (kind, r)

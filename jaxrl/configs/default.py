@@ -103,7 +103,9 @@ def get_config() -> ConfigDict:
   c.rollout.lag = 0
   c.rollout.max_regenerations = 8  # re-samples of filtered groups per batch before failing
   c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
-  c.rollout.partial_rollouts = False  # decode across weight updates (not supported yet)
+  # Partial rollouts (rollout.engine=continuous): a batch starts on its forced-lag params and
+  # switches to newer published params between decode dispatches; tokens carry their version.
+  c.rollout.partial_rollouts = False
   # Generation: "static" (every row of a batch decodes until the slowest ends) or "continuous"
   # (a slot engine: a finished row's slot takes the next waiting row at once; same tokens for
   # the same keys).

@@ -76,6 +76,14 @@ class ParamsHandoff:
           wait = remaining if wait is None else min(wait, remaining)
         self._cond.wait(wait)
 
+  def latest(self) -> tuple[int, object] | None:
+    """`(version, params)` of the newest published version, or None before the first; does not
+    wait. Partial rollouts switch to it between decode dispatches."""
+    with self._cond:
+      if self._latest < 0 or self._latest not in self._params:
+        return None
+      return self._latest, self._params[self._latest]
+
   def prune_below(self, version: int) -> None:
     """Drops every version < `version` (waiters for them raise VersionUnavailable)."""
     with self._cond:

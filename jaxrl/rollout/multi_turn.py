@@ -194,12 +194,16 @@ class MultiTurn:
       tkey = key if turn == 0 else jax.random.fold_in(key, 1_000_003 + turn)
       if turn == 0:
         out = self.sample_first(params, prompts, pvalid, tkey, request_ids, temperature, top_k,
-                                top_p)
+                                top_p, version=version)
       else:
         seqs = [prompt_ids[i] + tokens[i, :length[i]].tolist() for i in range(B)]
         ctx, cvalid = left_pad(seqs, Lp + N, pad)
-        out = self.sample_next(params, ctx, cvalid, tkey, request_ids, temperature, top_k, top_p)
+        out = self.sample_next(params, ctx, cvalid, tkey, request_ids, temperature, top_k, top_p,
+                               version=version)
       o_tokens, o_mask, o_lps = self.fetch((out.tokens, out.mask, out.logprobs))
+      # Per-token params versions, when the sampler can switch params mid-generation (partial
+      # rollouts); otherwise every token is the batch's version.
+      o_versions = getattr(out, "versions", None)
 
       calls: dict[str, tuple[object, list[Turn]]] = {}
       where: dict[str, list[int]] = {}
@@ -212,7 +216,8 @@ class MultiTurn:
         lp = o_lps[i][o_mask[i]][:len(new)]
         s = slice(length[i], length[i] + len(new))
         tokens[i, s], valid[i, s], gen[i, s] = new, True, True
-        logprobs[i, s], pversion[i, s] = lp, version
+        logprobs[i, s] = lp
+        pversion[i, s] = version if o_versions is None else o_versions[i][o_mask[i]][:len(new)]
         length[i] += len(new)
         turns[i] += 1
         text = self.tok.decode(new)

@@ -177,7 +177,9 @@ def make_sampler(
   # first copying it (an undonated input must stay intact).
   decode = jax.jit(decode, donate_argnums=(1,))
 
-  def generate(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0):
+  def generate(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0,
+               version=0):
+    del version  # a static batch decodes on the one params version it was given
     cache, first_logits, prompt_lens = prefill(params, prompts, prompt_valid)
     out, _ = decode(params, cache, first_logits, prompt_lens, key,
                   jnp.asarray(request_ids, jnp.int32), jnp.asarray(temperature, jnp.float32),
