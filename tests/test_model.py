@@ -185,6 +185,7 @@ def test_rope_scaling_config_is_checked():
                       rope_high_freq_factor=4.0)
 
 
+@pytest.mark.slow  # ~10 s each on 2 quiet cores; the fast suite's budget is 10 min
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 def test_remat_changes_no_loss_or_gradient(scan):
   # Rematerialisation only moves work from memory to recomputation: the same loss and the same

@@ -69,6 +69,7 @@ def test_sharded_step_matches_single_device(devices):
   assert _max_param_diff(state.params, init_params) > 1e-4
 
 
+@pytest.mark.slow  # ~10 s each on 2 quiet cores; the fast suite's budget is 10 min
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_fsdp_step_with_row_split_activations_matches_single_device(devices, remat):
   # Pure FSDP (rows and d_model both over 'fsdp'): the model pins its activations to the rows
