@@ -37,9 +37,11 @@ def copy_metadata(src: str, dst: str) -> list[str]:
   return copied
 
 
-def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int, str]:
-  """Writes checkpoint `step` (None: the latest) of `run_dir` to `out_dir` in Hugging Face
-  format; returns `(step, out_dir)`."""
+def restore_run(run_dir: str, step: int | None = None):
+  """The policy of checkpoint `step` (None: the latest) of a run started from a Hugging Face
+  model, on one device: `(run_config, hf_config, model_config, graphdef, step, params)`, where
+  `run_config` is the run's saved config (a dict) and `hf_config` the starting `config.json`.
+  Only the parameters are read (no optimizer state, reference or saved rollouts)."""
   import jax
 
   from jaxrl import checkpoint
@@ -52,8 +54,8 @@ def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int,
     raise FileNotFoundError(f"{config_path} is missing: {run_dir!r} is not a jaxrl run directory")
   if not os.path.isdir(base):
     raise FileNotFoundError(f"{base} is missing: the run was not started from a Hugging Face "
-                            "model (config.model.hf_path), so there is no architecture to export "
-                            "to")
+                            "model (config.model.hf_path), so its architecture and tokenizer "
+                            "are unknown")
   with open(config_path) as f:
     run_cfg = json.load(f)
   with open(os.path.join(base, hf_lib.CONFIG_FILE)) as f:
@@ -62,7 +64,7 @@ def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int,
   model_cfg = hf_lib.config_from_hf(hf_config, param_dtype=model["param_dtype"],
                                     scan_layers=model["scan_layers"],
                                     config_path=os.path.join(base, hf_lib.CONFIG_FILE))
-  _, abstract = abstract_model(model_cfg)
+  graphdef, abstract = abstract_model(model_cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                         abstract)
@@ -71,8 +73,17 @@ def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int,
     step, params = reader.restore_params(step, target)
   finally:
     reader.close()
+  return run_cfg, hf_config, model_cfg, graphdef, step, params
+
+
+def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int, str]:
+  """Writes checkpoint `step` (None: the latest) of `run_dir` to `out_dir` in Hugging Face
+  format; returns `(step, out_dir)`."""
+  from jaxrl.models import hf as hf_lib
+
+  _, hf_config, model_cfg, _, step, params = restore_run(run_dir, step)
   hf_lib.save_hf(out_dir, model_cfg, params, architecture=hf_config["architectures"][0])
-  copy_metadata(base, out_dir)
+  copy_metadata(os.path.join(run_dir, METADATA_DIR), out_dir)
   # The starting config.json, which may hold fields jaxrl does not use (token ids, context
   # length), with the dtype the tensors were written in.
   hf_config.update(dtype=model_cfg.param_dtype, torch_dtype=model_cfg.param_dtype)

@@ -27,7 +27,6 @@ requests. SIGTERM or SIGINT stops it (the driver threads, then the gRPC server) 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -99,37 +98,12 @@ def load_run(run_dir: str, step: int | None, param_dtype: str | None, chat: bool
   Face model; only the policy parameters are restored, onto one device."""
   import jax
 
-  from jaxrl import checkpoint
   from jaxrl.data.hf_tokenizer import HFTokenizer
-  from jaxrl.export import METADATA_DIR
+  from jaxrl.export import METADATA_DIR, restore_run
   from jaxrl.models import abstract_model
-  from jaxrl.models import hf as hf_lib
 
-  config_path = os.path.join(run_dir, "config.json")
+  run_cfg, _, cfg, graphdef, step, params = restore_run(run_dir, step)
   base = os.path.join(run_dir, METADATA_DIR)
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"{config_path} is missing: {run_dir!r} is not a jaxrl run directory")
-  if not os.path.isdir(base):
-    raise FileNotFoundError(f"{base} is missing: the run was not started from a Hugging Face "
-                            "model (config.model.hf_path), so there is no architecture or "
-                            "tokenizer to serve it with")
-  with open(config_path) as f:
-    run_cfg = json.load(f)
-  with open(os.path.join(base, hf_lib.CONFIG_FILE)) as f:
-    hf_config = json.load(f)
-  model = run_cfg["model"]
-  cfg = hf_lib.config_from_hf(hf_config, param_dtype=model["param_dtype"],
-                              scan_layers=model["scan_layers"],
-                              config_path=os.path.join(base, hf_lib.CONFIG_FILE))
-  graphdef, abstract = abstract_model(cfg)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                        abstract)
-  reader = checkpoint.Checkpointer(checkpoint.checkpoint_dir(run_dir), read_only=True)
-  try:
-    step, params = reader.restore_params(step, target)
-  finally:
-    reader.close()
   if param_dtype is not None and param_dtype != cfg.param_dtype:
     import dataclasses
 
