@@ -51,7 +51,6 @@ prefix's keys/values then mix versions and the stamp is only approximate.
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -60,7 +59,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models.transformer import KVCache
-from jaxrl.rollout.sampler import pick_tokens
+from jaxrl.rollout.sampler import eos_tuple, is_eos, pick_tokens
 
 
 class Prefix(NamedTuple):
@@ -131,10 +130,7 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
   refresh)`; see the module docstring. Shapes are fixed by the arguments here."""
   B, N = num_slots, max_new_tokens
   S = max_prompt_len + max_new_tokens
-  eos_ids = tuple(int(e) for e in eos_ids)
-
-  def is_eos(tok):
-    return functools.reduce(jnp.logical_or, [tok == e for e in eos_ids])
+  eos_ids = eos_tuple(eos_ids, "make_engine_fns")
 
   @jax.jit
   def init_decode_state(params) -> DecodeState:
@@ -179,7 +175,7 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
     set_ = lambda buf, value: buf.at[slot].set(value)
     return DecodeState(
         cache=cache, seq=seq, pos=set_(state.pos, prefix.length), last=set_(state.last, tok[0]),
-        done=set_(state.done, is_eos(tok[0]) | (N <= 1)), count=set_(state.count, 1),
+        done=set_(state.done, is_eos(tok[0], eos_ids) | (N <= 1)), count=set_(state.count, 1),
         request_id=set_(state.request_id, request_id), key=set_(state.key, request_key),
         temperature=set_(state.temperature, temperature), top_k=set_(state.top_k, top_k),
         top_p=set_(state.top_p, top_p),
@@ -222,7 +218,7 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
       return i + 1, s._replace(
           cache=cache, seq=jnp.where(fed, s.last[:, None], s.seq), pos=s.pos + live,
           last=jnp.where(live, tok, s.last),
-          done=s.done | (live & (is_eos(tok) | (count >= N))), count=count,
+          done=s.done | (live & (is_eos(tok, eos_ids) | (count >= N))), count=count,
           tokens=jnp.where(new, tok[:, None], s.tokens),
           logprobs=jnp.where(new, lp[:, None], s.logprobs),
           versions=jnp.where(new, version, s.versions))
@@ -257,9 +253,7 @@ class Engine:
                max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int,
                prefill_buckets: Sequence[int] | None = None, steps_per_dispatch: int = 8,
                refresh_kv: bool = True):
-    eos_ids = tuple(int(e) for e in ((eos_id,) if isinstance(eos_id, int) else eos_id))
-    if not eos_ids:
-      raise ValueError("Engine: eos_id names no token")
+    eos_ids = eos_tuple(eos_id, "Engine")
     if num_slots < 1 or max_new_tokens < 1 or max_prompt_len < 1 or steps_per_dispatch < 1:
       raise ValueError(f"Engine: num_slots={num_slots}, max_prompt_len={max_prompt_len}, "
                        f"max_new_tokens={max_new_tokens} and steps_per_dispatch="

@@ -20,7 +20,6 @@ on (key, request id, step) and not on batch composition; group members have dist
 from __future__ import annotations
 
 import functools
-
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -73,6 +72,19 @@ def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
   return jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda z: z, z)
 
 
+def eos_tuple(eos_id: int | Sequence[int], who: str) -> tuple[int, ...]:
+  """One EOS id or several, as a non-empty tuple of ints (`who` names the caller in the error)."""
+  eos_ids = tuple(int(e) for e in ((eos_id,) if isinstance(eos_id, int) else eos_id))
+  if not eos_ids:
+    raise ValueError(f"{who}: eos_id names no token")
+  return eos_ids
+
+
+def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  """Where `tok` is any of `eos_ids` (a row ends at the first such token)."""
+  return functools.reduce(jnp.logical_or, [tok == e for e in eos_ids])
+
+
 def pick_tokens(logits: jax.Array, t: jax.Array | int, request_keys: jax.Array,
                 temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
@@ -118,12 +130,7 @@ def make_sampler(
   the first token that is any of them, and that token is kept in the mask.
   """
   G, N = num_samples, max_new_tokens
-  eos_ids = tuple(int(e) for e in ((eos_id,) if isinstance(eos_id, int) else eos_id))
-  if not eos_ids:
-    raise ValueError("make_sampler: eos_id names no token")
-
-  def is_eos(tok):
-    return functools.reduce(jnp.logical_or, [tok == e for e in eos_ids])
+  eos_ids = eos_tuple(eos_id, "make_sampler")
 
   @jax.jit
   def prefill(params, prompts, prompt_valid):
@@ -152,7 +159,7 @@ def make_sampler(
       """Records token t for rows still live; rows that already ended get padding."""
       live = ~s.done
       return s._replace(
-          t=s.t + 1, last=tok, done=s.done | is_eos(tok),
+          t=s.t + 1, last=tok, done=s.done | is_eos(tok, eos_ids),
           tokens=s.tokens.at[:, s.t].set(jnp.where(live, tok, pad_id)),
           logprobs=s.logprobs.at[:, s.t].set(jnp.where(live, lp, 0.0)),
           mask=s.mask.at[:, s.t].set(live))
