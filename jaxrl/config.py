@@ -59,13 +59,31 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
+  """The resolved train mesh, and the rollout mesh's devices when disaggregated.
+
+  `rollout_devices == 0`: colocated, rollouts are generated on the train mesh. Otherwise the
+  first `train_devices` devices hold the train mesh (its first `size` of them) and the next
+  `rollout_devices` a rollout mesh of shape (rollout_devices / rollout_tensor, 1,
+  rollout_tensor).
+  """
   data: int
   fsdp: int
   tensor: int
+  train_devices: int = 0
+  rollout_devices: int = 0
+  rollout_tensor: int = 1
 
   @property
   def size(self) -> int:
     return self.data * self.fsdp * self.tensor
+
+  @property
+  def disaggregated(self) -> bool:
+    return self.rollout_devices > 0
+
+  @property
+  def rollout_shape(self) -> tuple[int, int, int]:
+    return (self.rollout_devices // self.rollout_tensor, 1, self.rollout_tensor)
 
 
 def _gt(lo):
@@ -95,6 +113,7 @@ def _floats_ok(text: str) -> bool:
 
 
 _DISTRIBUTED_RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
+    ("distributed.auto", (lambda v: True, "a bool")),
     ("distributed.coordinator_address", (lambda v: True, "a string")),
     ("distributed.num_processes", _ge(1)),
     ("distributed.process_id", _ge(0)),
@@ -194,6 +213,10 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("rollout.max_turns", _ge(1)),
     ("rollout.max_total_tokens", _ge(0)),
     *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in _MESH_AXES),
+    *((f"mesh.{k}", (lambda v: v == 0 or 0 < v < 1 or (v >= 1 and float(v).is_integer()),
+                     "0, a fraction in (0, 1) or a whole number of devices"))
+      for k in ("rollout", "train")),
+    ("mesh.rollout_tensor", _ge(1)),
     *_DISTRIBUTED_RULES,
 ]
 
@@ -268,7 +291,48 @@ def _check_schema(cfg: Any, ref: Any, known: Collection[str], prefix: str,
       problems.append(f"{_PREFIX}{prefix}{k}: missing key")
 
 
-def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -> MeshShape | None:
+def _device_count(key: str, value: float, num_devices: int, problems: list[str]) -> int | None:
+  """`mesh.rollout` / `mesh.train` as a device count (a fraction is of all devices)."""
+  n = int(round(value * num_devices)) if value < 1 else int(value)
+  if n < 1:
+    problems.append(f"{_PREFIX}{key}: {value!r} of {num_devices} devices is no device")
+    return None
+  return n
+
+
+def _resolve_split(good: dict[str, Any], num_devices: int,
+                   problems: list[str]) -> tuple[int, int] | None:
+  """(train devices, rollout devices); rollout 0 = colocated. None when the split is bad."""
+  rollout, train, rt = good["mesh.rollout"], good["mesh.train"], good["mesh.rollout_tensor"]
+  if rollout == 0:
+    if train:
+      problems.append(f"{_PREFIX}mesh.train: only with {_PREFIX}mesh.rollout > 0 (disaggregated "
+                      f"rollout and train devices), got {train!r}")
+      return None
+    if rt != 1:
+      problems.append(f"{_PREFIX}mesh.rollout_tensor: only with {_PREFIX}mesh.rollout > 0; "
+                      f"colocated rollouts use the train mesh, got {rt}")
+      return None
+    return num_devices, 0
+  n_r = _device_count("mesh.rollout", rollout, num_devices, problems)
+  n_t = num_devices - (n_r or 0) if train == 0 else \
+      _device_count("mesh.train", train, num_devices, problems)
+  if n_r is None or n_t is None:
+    return None
+  if n_t < 1 or n_r + n_t > num_devices:
+    problems.append(
+        f"{_PREFIX}mesh.rollout: {n_r} rollout + {n_t} train devices need {n_r + n_t} disjoint "
+        f"devices, but {num_devices} are available")
+    return None
+  if n_r % rt:
+    problems.append(f"{_PREFIX}mesh.rollout_tensor: must divide the {n_r} rollout devices, got "
+                    f"{rt}")
+    return None
+  return n_t, n_r
+
+
+def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str],
+                  what: str = "") -> MeshShape | None:
   wild = [a for a in _MESH_AXES if axes[a] == -1]
   shape = ", ".join(f"{a}={axes[a]}" for a in _MESH_AXES)
   if len(wild) > 1:
@@ -278,7 +342,7 @@ def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -
     rest = math.prod(axes[a] for a in _MESH_AXES if a != wild[0])
     if num_devices % rest:
       problems.append(
-          f"{_PREFIX}mesh.{wild[0]}: -1 cannot be resolved: {num_devices} devices are not "
+          f"{_PREFIX}mesh.{wild[0]}: -1 cannot be resolved: {num_devices}{what} devices are not "
           f"divisible by the product of the other axes ({shape}, product {rest})")
       return None
     axes = {**axes, wild[0]: num_devices // rest}
@@ -286,7 +350,8 @@ def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str]) -
   if num_devices % mesh.size:
     problems.append(
         f"{_PREFIX}mesh: shape (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
-        f"uses {mesh.size} devices, which does not divide the {num_devices} available")
+        f"uses {mesh.size} devices, which does not divide the {num_devices}"
+        f"{what + ' devices' if what else ''} available")
     return None
   return mesh
 
@@ -352,7 +417,13 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
                       "false")
 
 
-def _check_distributed(good: dict[str, Any], problems: list[str]) -> None:
+def _check_distributed(good: dict[str, Any], problems: list[str],
+                       num_processes: int | None = None) -> None:
+  """The `distributed.*` keys, and what several processes need of the rest of the config.
+
+  `num_processes` is the count actually joined (explicit keys or `distributed.auto`); the
+  multi-process checks use it when the explicit keys ask for a single process.
+  """
   p = _PREFIX
   n, pid = good.get("distributed.num_processes"), good.get("distributed.process_id")
   if n is not None and pid is not None and pid >= n:
@@ -363,16 +434,16 @@ def _check_distributed(good: dict[str, Any], problems: list[str]) -> None:
     if addr is not None and (":" not in addr or not addr.rsplit(":", 1)[1].isdigit()):
       problems.append(f"{p}distributed.coordinator_address: {p}distributed.num_processes = {n} "
                       f"needs process 0's 'host:port', got {addr!r}")
-    if good.get("rollout.lag", 0) > 0:
-      problems.append(
-          f"{p}rollout.lag: must be 0 with {p}distributed.num_processes > 1 (got "
-          f"{good['rollout.lag']}): every process must launch computations in the same order, "
-          "and a lagged rollout thread samples while the trainer trains")
-    if good.get("rollout.engine") == "continuous":
-      problems.append(
-          f"{p}rollout.engine: must be 'static' with {p}distributed.num_processes > 1: the "
-          "continuous engine's host driver reads every slot's state, which several processes "
-          "do not each hold")
+    several = f"{p}distributed.num_processes > 1"
+  elif num_processes is not None and num_processes > 1:
+    several = f"{num_processes} processes joined by {p}distributed.auto"
+  else:
+    return
+  # A lag is fine: several processes produce rollouts inline, in one order (`InlineWorker`).
+  if good.get("rollout.engine") == "continuous":
+    problems.append(
+        f"{p}rollout.engine: must be 'static' with {several}: the continuous engine's host "
+        "driver reads every slot's state, which several processes do not each hold")
 
 
 def _add_lengths(num_digits: int) -> tuple[int, int, int]:
@@ -476,7 +547,9 @@ def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
   """`(coordinator_address, num_processes, process_id, init_timeout_s)`, checked on their own.
 
   Runs before JAX starts: joining the processes decides the device count that `validate` needs.
-  Returns None when these keys are bad; `validate` then reports them with every other problem.
+  Returns None when these keys (or `distributed.auto`) are bad; `validate` then reports them
+  with every other problem. Only the explicit settings: with `num_processes == 1`, the caller
+  may still join what `distributed.auto` detects (`jaxrl.parallel.distributed.join`).
   """
   problems: list[str] = []
   ref, flat = _flatten(default_config.get_config()), _flatten(cfg)
@@ -489,8 +562,6 @@ def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
       problems.append(f"{_PREFIX}{key}: must be {requirement}, got {value!r}")
     else:
       good[key] = value
-  lag = flat.get("rollout.lag", 0)
-  good["rollout.lag"] = lag if _type_ok(lag, 0) else 0
   _check_distributed(good, problems)
   if problems:
     return None
@@ -500,7 +571,8 @@ def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
 
 def validate(cfg: ConfigDict, num_devices: int,
              task_names: Collection[str] | None = None,
-             problems: Collection[str] = ()) -> MeshShape:
+             problems: Collection[str] = (), *,
+             num_processes: int | None = None) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
   A config file must start from `jaxrl.configs.default.get_config()` and change values: keys
@@ -514,6 +586,9 @@ def validate(cfg: ConfigDict, num_devices: int,
       need (lengths, split sizes, data file, warm-up demonstrations) still is whenever it names
       only built-in tasks (`TASK_NAMES`), and `task.weights` always is.
     problems: problems already found (e.g. by `parse_overrides`), reported first.
+    num_processes: processes actually joined (`jax.process_count()` in the caller), whether by
+      the explicit `distributed.*` keys or detected by `distributed.auto`; the multi-process
+      checks (`rollout.lag`, `rollout.engine`) apply to it. None: the explicit keys alone.
 
   Returns:
     The mesh shape with a -1 axis resolved against `num_devices`.
@@ -550,8 +625,15 @@ def validate(cfg: ConfigDict, num_devices: int,
         f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
 
   mesh = None
-  if have(*(f"mesh.{a}" for a in _MESH_AXES)):
-    mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in _MESH_AXES}, num_devices, problems)
+  if have(*(f"mesh.{a}" for a in _MESH_AXES), "mesh.rollout", "mesh.train", "mesh.rollout_tensor"):
+    split = _resolve_split(good, num_devices, problems)
+    if split is not None:
+      n_t, n_r = split
+      mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in _MESH_AXES}, n_t, problems,
+                           " train" if n_r else "")
+      if mesh is not None and n_r:
+        mesh = dataclasses.replace(mesh, train_devices=n_t, rollout_devices=n_r,
+                                   rollout_tensor=good["mesh.rollout_tensor"])
   batch_shards = f"{_PREFIX}mesh.data * {_PREFIX}mesh.fsdp"
 
   if have("rollout.num_prompts", "rollout.group_size", "train.num_microbatches"):
@@ -590,7 +672,7 @@ def validate(cfg: ConfigDict, num_devices: int,
         f"{good['rollout.max_new_tokens']}, got {good['rollout.max_total_tokens']}")
 
   _check_loss(good, problems)
-  _check_distributed(good, problems)
+  _check_distributed(good, problems, num_processes)
   _check_hf(good, _flatten(ref), problems)
   names = str(good.get("task.name", "")).split("+")
   _check_task(good, problems, tasks_known=task_names is not None or

@@ -13,7 +13,7 @@ import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 from jaxrl import config as config_lib
 
@@ -31,6 +31,31 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
 
 
+def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[str]) -> None:
+  """Joins the processes; process 0 prints how.
+
+  By the explicit `distributed.*` keys, else by what `distributed.auto` finds in the launcher's
+  environment. A malformed launcher variable becomes a config problem (nothing is joined).
+  """
+  import jax
+
+  from jaxrl import parallel
+
+  # distributed_settings() has checked distributed.auto's type; a config without it is reported
+  # as missing the key by validate(), so nothing is detected for it.
+  section = cfg.get("distributed")
+  auto = isinstance(section, ConfigDict) and section.get("auto") is True
+  try:
+    how = parallel.distributed.join(*settings, auto=auto, env=os.environ)
+  except parallel.distributed.EnvError as e:
+    problems.append(f"config.distributed.auto: {e}; --config.distributed.auto=false ignores the "
+                    "launcher's variables")
+    return
+  if how is not None and parallel.distributed.is_main():
+    print(f"jaxrl | joined {jax.process_count()} processes ({jax.device_count()} devices) "
+          f"through {how}", flush=True)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -40,7 +65,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   import jax  # after flag parsing, so --help and bad flags never initialise a backend
 
-  from jaxrl import parallel, trainer
+  from jaxrl import trainer
 
   try:
     problems: list[str] = []
@@ -48,9 +73,9 @@ def main(argv: list[str]) -> None:
     # Joining the processes comes first: it decides the device count the mesh is checked against.
     settings = config_lib.distributed_settings(cfg)
     if settings is not None:  # else validate() names the bad keys along with any others
-      parallel.distributed.initialize(*settings)
+      _join(cfg, settings, problems)
     mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES,
-                                     problems=problems)
+                                     problems=problems, num_processes=jax.process_count())
   except config_lib.ConfigError as e:
     sys.exit(f"jaxrl: invalid config\n{e}")
   run_dir = cfg.run_dir or os.path.join(

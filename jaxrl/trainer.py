@@ -39,8 +39,8 @@ from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import AddSource, CountdownSource, GuessSource, MathSource, make_env
 from jaxrl.models import ModelConfig, abstract_model, init_model
 from jaxrl.models import hf as hf_lib
-from jaxrl.pipeline import (BatchMeta, DataPlane, LagGate, ParamsHandoff, RolloutWorker,
-                            balance_rows, dynamic_sampling, fill_batch)
+from jaxrl.pipeline import (BatchMeta, DataPlane, InlineWorker, LagGate, ParamsHandoff,
+                            RolloutWorker, balance_rows, dynamic_sampling, fill_batch)
 from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
 from jaxrl.pipeline.validator import Validator
@@ -102,6 +102,28 @@ def engine_sampler(engine: Engine, group_size: int, newest=None):
 
   sample.engine = engine
   return sample
+
+
+def _rows_over(mesh, sample):
+  """The static sampler with its row inputs split over the 'data' axis of `mesh` (the rollout
+  mesh), so each data shard decodes its own rows (on several processes: each process its
+  share); rows that 'data' does not divide stay replicated. 'fsdp' is left out on purpose:
+  splitting rows over the axis that splits the weights would all-gather every layer's weights
+  at every decode step."""
+  shards = mesh.shape["data"]
+  by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+  def put(x):
+    x = np.asarray(x)  # the same rows on every process; each places only its own shards
+    return x if len(x) % shards else jax.make_array_from_callback(x.shape, by_rows,
+                                                                  lambda i: x[i])
+
+  def split_rows(params, prompts, prompt_valid, key, request_ids, *args, **kwargs):
+    if shards > 1:
+      prompts, prompt_valid, request_ids = put(prompts), put(prompt_valid), put(request_ids)
+    return sample(params, prompts, prompt_valid, key, request_ids, *args, **kwargs)
+
+  return split_rows
 
 
 def _partial_source(newest, version: int, params):
@@ -168,10 +190,24 @@ class Parts:
       vocab, vocab_key = cfg.model.vocab_size, "config.model.vocab_size"
     if vocab and vocab < self.tok.vocab_size:
       problems.append(f"{vocab_key}: the tokenizer needs {self.tok.vocab_size}, got {vocab}")
+    if mesh_shape.disaggregated and jax.process_count() > 1:
+      problems.append(
+          f"config.mesh.rollout: disaggregated rollout and train meshes run in one process for "
+          f"now, got {jax.process_count()} processes; set it to 0 (colocated)")
     if problems:
       raise config_lib.ConfigError(problems)
 
-    self.mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
+    devices = jax.devices()
+    self.mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
+                                   devices[:mesh_shape.train_devices or len(devices)])
+    # Rollouts are generated on `rollout_mesh`: the train mesh itself when colocated, else the
+    # `rollout_devices` after the train devices, params tensor-parallel and rows split over
+    # 'data'. Params reach it through `for_rollout`, which reshards shard by shard.
+    self.rollout_mesh = self.mesh
+    if mesh_shape.disaggregated:
+      first = mesh_shape.train_devices
+      self.rollout_mesh = parallel.make_mesh(
+          *mesh_shape.rollout_shape, devices[first:first + mesh_shape.rollout_devices])
     if hf_path:
       # Straight onto the mesh from the memory-mapped files; the compute dtype is the run's.
       try:
@@ -187,7 +223,8 @@ class Parts:
       self.model_cfg = ModelConfig.from_config(cfg.model, self.tok.vocab_size)
       self.graphdef, params = init_model(self.model_cfg, cfg.seed)
       self.params = shard_params(params, self.mesh)
-    # Rollout rows of partitions `train` and `val`: metadata here, arrays on the mesh.
+    self._rollout_shardings = parallel.param_shardings(self.params, self.rollout_mesh)
+    # Rollout rows of partitions `train` and `val`: metadata here, arrays on the (train) mesh.
     self.data = DataPlane(self.mesh)
     self._passes = 0
 
@@ -209,11 +246,12 @@ class Parts:
       # Validation measures the params of one step: never partial.
       self.sample_val = engine(k, r.max_prompt_len, cfg.val.batch_size * k)
     else:
-      self.sample = make_sampler(self.graphdef, num_samples=r.group_size, **common)
+      rows = lambda f: _rows_over(self.rollout_mesh, f)
+      self.sample = rows(make_sampler(self.graphdef, num_samples=r.group_size, **common))
       # Later turns: every row continues its own context (compiled only if a task has them).
-      sample_next = make_sampler(self.graphdef, num_samples=1, **common)
-      self.sample_val = make_sampler(self.graphdef, num_samples=cfg.val.samples_per_prompt,
-                                     **common)
+      sample_next = rows(make_sampler(self.graphdef, num_samples=1, **common))
+      self.sample_val = rows(make_sampler(self.graphdef,
+                                          num_samples=cfg.val.samples_per_prompt, **common))
     self.budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                          max_total_tokens=r.max_total_tokens or r.max_new_tokens,
                          max_turns=r.max_turns)
@@ -222,6 +260,17 @@ class Parts:
                           sample_next, fetch, cfg.env.timeout_s)
     self.val_loop = MultiTurn(self.tok, self.envs, self.budget, cfg.val.samples_per_prompt,
                               self.sample_val, sample_next, fetch, cfg.env.timeout_s)
+
+  def for_rollout(self, params):
+    """`params` placed for generation: as they are when colocated; else a copy on the rollout
+    mesh, resharded shard by shard (no leaf is gathered whole onto one device). Params already
+    there are returned as they are."""
+    if self.rollout_mesh is self.mesh:
+      return params
+    leaf = jax.tree.leaves(params)[0]
+    if leaf.sharding == jax.tree.leaves(self._rollout_shardings)[0]:
+      return params
+    return parallel.reshard(params, self._rollout_shardings)
 
   def _row_problem(self, task) -> tuple[str, str] | None:
     """What makes a task row unusable, as (reason, detail), or None."""
@@ -271,6 +320,7 @@ class Parts:
     count for nothing.
     """
     v = self.cfg.val
+    params = self.for_rollout(params)
     tasks = self.source.split(split)
     bs, k = v.batch_size, v.samples_per_prompt
     self._passes += 1
@@ -659,8 +709,10 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
 
   def publish(version):
     # Published params are copies: the train step donates its own buffers, and the worker (or a
-    # validation pass) may still be reading an older version.
-    params = jax.tree.map(jnp.copy, state.params)
+    # validation pass) may still be reading an older version. Disaggregated, the copy is the
+    # reshard onto the rollout mesh.
+    params = parts.for_rollout(state.params) if parts.rollout_mesh is not parts.mesh else \
+        jax.tree.map(jnp.copy, state.params)
     handoff.publish(version, params)
     return params
 
@@ -671,9 +723,15 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
     validator.submit(0, published)
   stopped_at = None
   try:
-    with RolloutWorker(gate, handoff, rollouts.produce, L):
+    # One process: rollouts on their own thread. Several: inline, so that every process launches
+    # the same computations in the same order (same batches, versions and staleness).
+    inline = jax.process_count() > 1
+    worker_cls = InlineWorker if inline else RolloutWorker
+    with worker_cls(gate, handoff, rollouts.produce, L) as worker:
       for step in range(start + 1, t.steps + 1):
         st = metrics_lib.Timer()
+        if inline:
+          worker.catch_up()
         batch_id, item = gate.pull()
         consumer = step - 1  # versions published so far: one per completed train step
         # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
@@ -791,6 +849,11 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
                  f"{jax.devices()[0].platform}")
+    if mesh_shape.disaggregated:
+      first = mesh_shape.train_devices
+      progress.say(f"disaggregated: train on devices 0-{mesh_shape.size - 1}, rollouts on "
+                   f"devices {first}-{first + mesh_shape.rollout_devices - 1} (mesh "
+                   f"{'x'.join(map(str, mesh_shape.rollout_shape))})")
     if resume is not None:
       warm = {k: _from_json_num(x) for k, x in resume[2]["warmup"].items()}
     else:

@@ -371,8 +371,13 @@ def test_distributed_settings_before_jax_starts():
   cfg.distributed.coordinator_address = "10.0.0.2:8476"
   assert distributed_settings(cfg) == ("10.0.0.2:8476", 2, 1, 300)
   validate(cfg, 8)
-  cfg.rollout.lag = 1  # a lagged rollout thread would launch work in a different order per process
-  assert "must be 0 with config.distributed.num_processes > 1" in _one(cfg, "rollout.lag", 8)
+  cfg.rollout.lag = 1  # several processes make lagged rollouts inline, in one order
+  validate(cfg, 8)
+  cfg.rollout.engine = "continuous"
+  assert "must be 'static' with config.distributed.num_processes > 1" in \
+      _one(cfg, "rollout.engine", 8)
+  assert distributed_settings(cfg) == ("10.0.0.2:8476", 2, 1, 300)  # the engine is validate's
+  cfg.distributed.process_id = 2
   assert distributed_settings(cfg) is None
   cfg = ConfigDict(get_config().to_dict(), type_safe=False)
   cfg.distributed.num_processes = "2"

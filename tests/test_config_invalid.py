@@ -130,8 +130,8 @@ CASES = [
     # distributed
     ("process_id_out_of_range", [*MULTI, "--config.distributed.process_id=2"],
      ["distributed.process_id"], "must be < config.distributed.num_processes = 2"),
-    ("lag_with_several_processes", [*MULTI, "--config.rollout.lag=1"], ["rollout.lag"],
-     "must be 0 with config.distributed.num_processes > 1"),
+    ("engine_with_several_processes", [*MULTI, "--config.rollout.engine=continuous"],
+     ["rollout.engine"], "must be 'static' with config.distributed.num_processes > 1"),
     ("no_coordinator", ["--config.distributed.num_processes=2"],
      ["distributed.coordinator_address"], "needs process 0's 'host:port'"),
     # mesh

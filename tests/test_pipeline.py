@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.pipeline import (LagGate, ParamsHandoff, PipelineClosed, RegenerationCapError,
-                            RolloutWorker, StallError, VersionUnavailable, WorkerFailed, fill_batch,
-                            params_version, ring, staleness_metrics)
+from jaxrl.pipeline import (InlineWorker, LagGate, ParamsHandoff, PipelineClosed,
+                            RegenerationCapError, RolloutWorker, StallError, VersionUnavailable,
+                            WorkerFailed, fill_batch, params_version, ring, staleness_metrics)
 
 _names = itertools.count()
 
@@ -271,6 +271,54 @@ def test_forced_lag_staleness_ramp_and_no_run_ahead(lag):
   check_lag_contract(lag, engine, items, pull_start, stats, sampler)
   assert [i["version"] for i in items] == [max(0, t - lag) for t in range(steps)]
   assert stats["max_slots_held"] == lag + 1  # the ring really fills when the worker is fast
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_inline_worker_makes_the_threaded_workers_batches(lag):
+  """The inline worker (several processes) fills the ring with the batches the thread would:
+  same ids, same params versions, staleness exactly min(t, L), the ring exactly full before
+  every pull after the first L, and never a batch started before the pull that frees its slot."""
+  steps = lag + 4
+  engine = FakeEngine(num_groups=2, group_size=2, latency=lambda *a: 0.0)
+  gate, handoff = LagGate(lag, stall_timeout_s=10.0), ParamsHandoff()
+  items, made = [], []
+  with InlineWorker(gate, handoff, engine, lag) as worker:
+    for t in range(steps):
+      handoff.publish(t, {"version": t})
+      made.append(worker.catch_up())
+      s = gate.stats()
+      # Before pull t: batches 0..t+L reserved and delivered (L+1 slots held), as the threaded
+      # worker has once caught up; nothing more.
+      assert s["submitted"] == s["completed"] == t + lag + 1, (t, s)
+      assert s["slots_held"] == lag + 1
+      batch_id, item = gate.pull()
+      assert batch_id == t
+      items.append(item)
+      handoff.prune_below(max(0, t + 1 - lag))
+  assert made == [lag + 1] + [1] * (steps - 1)
+  assert gate.closed  # leaving the block closes the gate, as for the thread
+  for t, item in enumerate(items):
+    assert engine.versions[t] == params_version(t, lag) == max(0, t - lag)
+    pv = np.concatenate([g["policy_version"] for g in item["groups"]])
+    mask = np.concatenate([g["mask"] for g in item["groups"]])
+    m = staleness_metrics(pv, mask, consumer_version=t)
+    assert m["staleness/first_token/min"] == m["staleness/last_token/max"] == min(t, lag)
+
+
+def test_inline_worker_raises_from_catch_up_and_needs_published_params():
+  gate, handoff = LagGate(0, stall_timeout_s=10.0), ParamsHandoff()
+
+  def produce(b, params, v):
+    raise ValueError(f"reward server down at batch {b}")
+
+  with pytest.raises(TimeoutError, match="params version 0 not published"):
+    InlineWorker(gate, handoff, produce, 0).catch_up()  # a trainer bug, not a silent wait
+  handoff.publish(0, {})
+  gate = LagGate(0, stall_timeout_s=10.0)
+  with pytest.raises(ValueError, match="reward server down at batch 0"):
+    with InlineWorker(gate, handoff, produce, 0) as worker:
+      worker.catch_up()
+  assert gate.closed
 
 
 def test_groups_in_slot_order_when_early_slots_finish_last():

@@ -199,15 +199,27 @@ def get_config() -> ConfigDict:
   c.env.timeout_s = 60.0  # an environment call slower than this fails its rows for the batch
 
   # Several processes (hosts), one program: every process gets the same config but its own
-  # process_id; the mesh then spans every process's devices.
+  # process_id; the mesh then spans every process's devices. Explicit keys (num_processes > 1)
+  # win over what `auto` detects.
   c.distributed = ConfigDict()
+  # Join the processes a launcher started (SLURM srun, torchrun-style env vars WORLD_SIZE/RANK/
+  # MASTER_ADDR/MASTER_PORT, multi-host TPU VM via TPU_WORKER_HOSTNAMES); false = only the
+  # explicit keys below. Used only with num_processes = 1 and coordinator_address = "".
+  c.distributed.auto = True
   c.distributed.coordinator_address = ""  # "host:port" of process 0; "" = a single process
   c.distributed.num_processes = 1
   c.distributed.process_id = 0
   c.distributed.init_timeout_s = 300  # give up joining after this long
 
+  # The train mesh (data x fsdp x tensor). Colocated by default: rollouts are generated on the
+  # same devices. Disaggregated: `mesh.rollout` devices generate on their own mesh and
+  # `mesh.train` devices (default: all the others) train; each is a count (>= 1) or a fraction of
+  # the devices (< 1), and the axes above then describe the train devices.
   c.mesh = ConfigDict()
-  c.mesh.data = 1  # -1 on one axis: use all remaining devices
+  c.mesh.data = 1  # -1 on one axis: use all remaining (train) devices
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  c.mesh.rollout = 0.0  # devices for rollout generation; 0 = colocated on the train mesh
+  c.mesh.train = 0.0  # with mesh.rollout: devices for training; 0 = all the others
+  c.mesh.rollout_tensor = 1  # the rollout mesh is (rollout / rollout_tensor, 1, rollout_tensor)
   return c

@@ -4,5 +4,7 @@ processes (`distributed`)."""
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import (AXES, batch_sharding, make_mesh, param_shardings,
                                      replicated)
+from jaxrl.parallel.reshard import reshard
 
-__all__ = ["AXES", "batch_sharding", "distributed", "make_mesh", "param_shardings", "replicated"]
+__all__ = ["AXES", "batch_sharding", "distributed", "make_mesh", "param_shardings", "replicated",
+           "reshard"]

@@ -1,18 +1,196 @@
 """Several processes, one program: start-up and host copies of global arrays.
 
-Every process runs the same `python -m jaxrl.train` with the same config except
-`distributed.process_id`; `initialize` joins them (`jax.distributed.initialize`, gloo on CPU), after
-which `jax.devices()` lists every process's devices and the mesh spans them all. Every process then
-launches the same computations in the same order (the multi-controller rule), so anything that
-decides what to compute (prompts, seeds, rewards, dynamic-sampling decisions) is computed
-identically on every process from replicated inputs; only process 0 writes files and prints.
+Every process runs the same `python -m jaxrl.train` with the same config; `join` connects them
+(`jax.distributed.initialize`, gloo on CPU), after which `jax.devices()` lists every process's
+devices and the mesh spans them all. Every process then launches the same computations in the
+same order (the multi-controller rule), so anything that decides what to compute (prompts, seeds,
+rewards, dynamic-sampling decisions) is computed identically on every process from replicated
+inputs; only process 0 writes files and prints.
+
+How the processes find each other, first match wins:
+  1. explicit `distributed.*` keys (`num_processes > 1`, `coordinator_address`, `process_id`);
+  2. with `distributed.auto`, what `detect` reads from the environment a launcher set up:
+     torchrun-style variables, then SLURM (an `srun` step), then a multi-host TPU VM;
+  3. otherwise a single process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+
+class EnvError(ValueError):
+  """A launcher's environment variable is malformed or inconsistent; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Detected:
+  """The processes a launcher started, as its environment variables describe them.
+
+  `coordinator_address` is None when JAX's own cluster detection picks it (SLURM: the step's
+  first node; TPU: worker 0). `num_processes` and `process_id` are read from the same variables
+  JAX reads (for the start-up line and checks; after joining, `jax.process_count()` is the
+  truth). `local_device_ids` restricts this process to those devices of its host (torchrun-style
+  launches with several processes per host: one GPU each); None = all of them.
+  """
+  kind: str  # "torchrun" | "slurm" | "tpu"
+  coordinator_address: str | None
+  num_processes: int
+  process_id: int
+  local_device_ids: tuple[int, ...] | None = None
+  source: str = ""  # the variables it was read from, for the start-up line and errors
+
+
+# JAX's names for its own cluster detection methods (jax/_src/clusters): the SLURM one, and the
+# TPU one that reads TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES rather than the metadata server.
+_JAX_METHODS = {"slurm": "slurm", "tpu": "gketpu"}
+
+
+def _int(env: Mapping[str, str], name: str, lo: int, hi: int | None = None,
+         hi_name: str = "") -> int:
+  """`env[name]` as an int in [lo, hi); EnvError naming the variable and its value."""
+  text = env[name]
+  try:
+    value = int(text.strip())
+  except ValueError:
+    raise EnvError(f"{name}={text!r} is not an integer") from None
+  if value < lo:
+    raise EnvError(f"{name}={text!r} must be >= {lo}")
+  if hi is not None and value >= hi:
+    raise EnvError(f"{name}={text!r} must be < {hi_name or hi}")
+  return value
+
+
+def _require(env: Mapping[str, str], kind: str, names: tuple[str, ...]) -> None:
+  for name in names:
+    if not env.get(name, "").strip():
+      raise EnvError(f"{name} is not set, but the other variables describe a multi-process "
+                     f"{kind} launch")
+
+
+def _coordinator_port(env: Mapping[str, str]) -> int | None:
+  """JAX_COORDINATOR_PORT, JAX's override of the coordinator port it picks; None if unset."""
+  if "JAX_COORDINATOR_PORT" not in env:
+    return None
+  return _int(env, "JAX_COORDINATOR_PORT", 1, 65536)
+
+
+def _torchrun(env: Mapping[str, str]) -> Detected | None:
+  n = _int(env, "WORLD_SIZE", 1)
+  if n == 1:
+    return None
+  _require(env, "torchrun-style", ("RANK", "MASTER_ADDR", "MASTER_PORT"))
+  rank = _int(env, "RANK", 0, n, f"WORLD_SIZE={n}")
+  addr = env["MASTER_ADDR"].strip()
+  port = _int(env, "MASTER_PORT", 1, 65536)
+  override = _coordinator_port(env)
+  if override is not None:
+    port = override
+  elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    # Started by torchrun itself: its agent on the first node already listens on MASTER_PORT
+    # (the store the workers' process group would use), so JAX's coordinator takes the next one.
+    port = port + 1 if port < 65535 else port - 1
+  if ":" in addr and not addr.startswith("["):
+    addr = f"[{addr}]"  # an IPv6 address
+  local = None
+  local_n = _int(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else 1
+  if local_n > 1:
+    _require(env, "torchrun-style", ("LOCAL_RANK",))
+    local_rank = _int(env, "LOCAL_RANK", 0, local_n, f"LOCAL_WORLD_SIZE={local_n}")
+    # One device each for several processes on one host (torchrun's one process per GPU),
+    # unless JAX_LOCAL_DEVICE_IDS says otherwise (jax.distributed.initialize reads it then).
+    if not env.get("JAX_LOCAL_DEVICE_IDS"):
+      local = (local_rank,)
+  return Detected("torchrun", f"{addr}:{port}", n, rank, local,
+                  "torchrun-style env vars (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT)")
+
+
+def _slurm(env: Mapping[str, str]) -> Detected | None:
+  count = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
+  if count not in env:
+    return None
+  n = _int(env, count, 1)
+  if n == 1:
+    return None
+  if "SLURM_STEP_NODELIST" not in env:
+    # The batch script (or an salloc shell) itself: one process, whatever the allocation holds.
+    raise EnvError(
+        f"{count}={env[count]!r} but SLURM_STEP_NODELIST is not set: this process was not "
+        f"started by srun, so the job's other {n - 1} tasks are not running jaxrl; start it "
+        "with srun, one task per process")
+  # What JAX's SLURM detection reads (jax/_src/clusters/slurm_cluster.py); it picks the
+  # coordinator itself: the step's first node, port SLURM_JOB_ID % 4096 + 61440.
+  _require(env, "SLURM", ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"))
+  n = _int(env, "SLURM_NTASKS", 1)
+  _int(env, "SLURM_LOCALID", 0)
+  if _coordinator_port(env) is None:
+    _int(env, "SLURM_JOB_ID", 0)  # JAX derives the port from it
+  pid = _int(env, "SLURM_PROCID", 0, n, f"SLURM_NTASKS={n}")
+  return Detected("slurm", None, n, pid, None,
+                  "SLURM (SLURM_NTASKS, SLURM_PROCID, SLURM_STEP_NODELIST)")
+
+
+def _tpu(env: Mapping[str, str]) -> Detected | None:
+  # JAX reads TPU_PROCESS_ADDRESSES first, then TPU_WORKER_HOSTNAMES: one entry per process of
+  # the slice. MEGASCALE_* describe several slices; JAX falls back to the TPU VM metadata server
+  # for those, which this function never queries.
+  hosts_var = next((v for v in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if v in env),
+                   None)
+  if hosts_var is None:
+    return None
+  hosts = env[hosts_var].split(",")
+  if not all(h.strip() for h in hosts):
+    raise EnvError(f"{hosts_var}={env[hosts_var]!r} has an empty entry")
+  slices = _int(env, "MEGASCALE_NUM_SLICES", 1) if env.get("MEGASCALE_NUM_SLICES") else 1
+  if len(hosts) * slices == 1:
+    return None
+  worker = 0
+  if len(hosts) > 1:
+    _require(env, "TPU", ("TPU_WORKER_ID",))
+    worker = _int(env, "TPU_WORKER_ID", 0, len(hosts), f"the {len(hosts)} hosts in {hosts_var}")
+  slice_id = 0
+  if env.get("MEGASCALE_SLICE_ID"):
+    slice_id = _int(env, "MEGASCALE_SLICE_ID", 0, slices, f"MEGASCALE_NUM_SLICES={slices}")
+  _coordinator_port(env)
+  return Detected("tpu", None, len(hosts) * slices, worker + slice_id * len(hosts), None,
+                  f"multi-host TPU VM ({hosts_var}, TPU_WORKER_ID)")
+
+
+def detect(env: Mapping[str, str]) -> Detected | None:
+  """The processes a launcher started, from its environment variables; None for one process.
+
+  Pure and fast: reads only `env` (never a metadata server). Sources, first match wins:
+
+  - torchrun-style: `WORLD_SIZE` > 1 with `RANK`, `MASTER_ADDR`, `MASTER_PORT`. The coordinator
+    is `MASTER_ADDR:MASTER_PORT`, except under torchrun itself (`TORCHELASTIC_USE_AGENT_STORE`
+    = True), whose agent already listens on `MASTER_PORT`: then the port after it.
+    `JAX_COORDINATOR_PORT` overrides the port. With several processes per host
+    (`LOCAL_WORLD_SIZE` > 1) each process uses its host's device `LOCAL_RANK` only. Checked
+    first: a torchrun started by `srun` sets both, and its workers are the processes.
+  - SLURM: an `srun` step (`SLURM_STEP_NODELIST` set) of `SLURM_NTASKS` (or `SLURM_NPROCS`) > 1
+    tasks, this one `SLURM_PROCID`. JAX's own SLURM detection picks the coordinator (the
+    step's first node).
+  - TPU VM: `TPU_WORKER_HOSTNAMES` (or `TPU_PROCESS_ADDRESSES`) listing more than one host,
+    this one `TPU_WORKER_ID` (times `MEGASCALE_NUM_SLICES` slices, this one
+    `MEGASCALE_SLICE_ID`, when set). JAX's TPU detection picks the coordinator (worker 0).
+
+  Raises:
+    EnvError: (a ValueError) naming the variable and its value, when a source is present but
+      its variables are malformed or inconsistent (a non-integer count, `RANK >= WORLD_SIZE`, a
+      missing `MASTER_PORT`, several SLURM tasks outside an `srun` step, ...).
+  """
+  if "WORLD_SIZE" in env:
+    return _torchrun(env)  # the launcher closest to this process decides, also for 1 process
+  if "SLURM_JOB_ID" in env:
+    found = _slurm(env)
+    if found is not None:
+      return found
+  return _tpu(env)
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
@@ -22,6 +200,52 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
     return
   jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                              process_id=process_id, initialization_timeout=int(timeout_s))
+
+
+def initialize_detected(found: Detected, timeout_s: int = 300) -> None:
+  """Joins the processes `detect` found."""
+  try:
+    if found.kind == "torchrun":
+      # Everything is given; "deactivate" keeps JAX from reading another cluster's variables
+      # (e.g. SLURM_LOCALID under an srun that started torchrun).
+      jax.distributed.initialize(
+          coordinator_address=found.coordinator_address, num_processes=found.num_processes,
+          process_id=found.process_id,
+          local_device_ids=list(found.local_device_ids) if found.local_device_ids else None,
+          cluster_detection_method="deactivate", initialization_timeout=int(timeout_s))
+    else:
+      jax.distributed.initialize(cluster_detection_method=_JAX_METHODS[found.kind],
+                                 initialization_timeout=int(timeout_s))
+  except Exception as e:
+    where = f", coordinator {found.coordinator_address}" if found.coordinator_address else ""
+    e.add_note(f"jaxrl: joining the processes found from {found.source} "
+               f"({found.num_processes} processes, this one {found.process_id}{where}); set "
+               "--config.distributed.auto=false to run a single process, or the "
+               "distributed.* keys to join explicitly")
+    raise
+
+
+def join(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300,
+         *, auto: bool = False, env: Mapping[str, str] | None = None) -> str | None:
+  """Joins the processes of a run; returns how (for the start-up line), None for one process.
+
+  Explicit settings (`num_processes > 1`) win. Otherwise, with `auto` and no
+  `coordinator_address`, `detect(env)` decides.
+
+  Raises:
+    EnvError: from `detect`, naming the malformed environment variable (nothing is joined).
+  """
+  if num_processes > 1:
+    initialize(coordinator_address, num_processes, process_id, timeout_s)
+    return f"distributed.* keys (coordinator {coordinator_address})"
+  if not auto or coordinator_address or env is None:
+    return None
+  found = detect(env)
+  if found is None:
+    return None
+  initialize_detected(found, timeout_s)
+  where = f"; coordinator {found.coordinator_address}" if found.coordinator_address else ""
+  return f"{found.source}{where}"
 
 
 def is_main() -> bool:

@@ -8,10 +8,10 @@ from jaxrl.pipeline.gate import LagGate, PipelineClosed, StallError, WorkerFaile
 from jaxrl.pipeline.handoff import ParamsHandoff, VersionUnavailable
 from jaxrl.pipeline.regenerate import RegenerationCapError, fill_batch
 from jaxrl.pipeline.staleness import staleness_metrics
-from jaxrl.pipeline.worker import RolloutWorker, params_version
+from jaxrl.pipeline.worker import InlineWorker, RolloutWorker, params_version
 
 __all__ = [
-    "PARTITIONS", "BatchMeta", "DataPlane", "LagGate", "ParamsHandoff", "PipelineClosed",
+    "PARTITIONS", "BatchMeta", "DataPlane", "InlineWorker", "LagGate", "ParamsHandoff", "PipelineClosed",
     "RegenerationCapError", "RolloutWorker", "StallError", "VersionUnavailable", "WorkerFailed",
     "balance_rows", "fill_batch", "params_version", "ring", "staleness_metrics",
 ]

@@ -107,6 +107,20 @@ class LagGate:
       self._cond.notify_all()
       return batch_id
 
+  def try_reserve(self) -> int | None:
+    """`reserve()` without waiting: the next batch id if a slot is free now, else None (also
+    when the gate is closed or failed). For a worker that runs inline, between the trainer's
+    pulls (`InlineWorker`)."""
+    with self._cond:
+      if not self._open() or self._submitted - self._freed >= self.capacity:
+        return None
+      batch_id = self._submitted
+      self._submitted += 1
+      self._max_held = max(self._max_held, self._submitted - self._freed)
+      self._check()
+      self._cond.notify_all()
+      return batch_id
+
   def deliver(self, batch_id: int, item) -> None:
     """Hands the finished batch `batch_id` to the trainer (it is pulled in batch-id order).
 
@@ -151,9 +165,7 @@ class LagGate:
     twice: the release of batch t-1 is idempotent, so calling pull again is safe.
     """
     with self._cond:
-      if self._freed < self._consumed:
-        self._freed = self._consumed
-        self._cond.notify_all()
+      self._release_locked()
       start = time.monotonic()
       self._pull_since = start
       try:
@@ -180,6 +192,17 @@ class LagGate:
       self._consumed += 1
       self._check()
       return batch_id, item
+
+  def release(self) -> None:
+    """Frees the slot of the previously pulled batch now, as the next `pull()` would first do
+    (idempotent). An inline worker calls it before producing what that pull will return."""
+    with self._cond:
+      self._release_locked()
+
+  def _release_locked(self) -> None:
+    if self._freed < self._consumed:
+      self._freed = self._consumed
+      self._cond.notify_all()
 
   def stats(self) -> dict:
     """A consistent snapshot of the gate's state and cumulative counters.

@@ -5,6 +5,12 @@ deliver. Any exception (including KeyboardInterrupt/SystemExit raised in the thr
 the gate, so the trainer's pull raises WorkerFailed with the original traceback; the thread then
 exits. `stop()` closes the gate, which wakes every wait in this loop; `produce` itself must be
 interruptible (poll `worker.should_stop()` in long waits) for stop to be prompt.
+
+`InlineWorker` runs the same loop in the trainer's thread instead, producing, just before each
+pull, exactly the batches the threaded worker would have started by then, with the same params
+versions: the same batches and the same staleness, with device work launched in one fixed
+order. Several processes need that (every process must launch the same computations in the same
+order), so multi-process runs use it at any lag.
 """
 
 from __future__ import annotations
@@ -92,3 +98,48 @@ class RolloutWorker:
   def __exit__(self, exc_type, exc, tb) -> bool:
     self.stop()
     return False  # never swallow the exception (KeyboardInterrupt included)
+
+
+class InlineWorker:
+  """The rollout loop run by the trainer: call `catch_up()` right before each `gate.pull()`.
+
+  `catch_up` frees the previously pulled batch's slot (as the pull would), then reserves and
+  produces every batch that now has a free slot, each with params `params_version(b, lag)`,
+  which the trainer has always published by then (see `params_version`). The ring therefore
+  holds the same batches, made with the same versions, as with `RolloutWorker`; only the
+  overlap of rollout and training is lost. An exception in `produce` propagates to the caller.
+  Same context-manager interface as `RolloutWorker`.
+  """
+
+  def __init__(self, gate: LagGate, handoff: ParamsHandoff, produce, lag: int):
+    if lag != gate.lag:
+      raise ValueError(f"worker lag {lag} != gate lag {gate.lag}")
+    self.gate, self.handoff, self.produce, self.lag = gate, handoff, produce, lag
+
+  def should_stop(self) -> bool:
+    return self.gate.closed
+
+  def catch_up(self) -> int:
+    """Produces the batches the gate lets start now; returns how many."""
+    self.gate.release()
+    made = 0
+    while (batch_id := self.gate.try_reserve()) is not None:
+      version = params_version(batch_id, self.lag)
+      params = self.handoff.get(version, timeout=0.0)
+      self.gate.deliver(batch_id, self.produce(batch_id, params, version))
+      made += 1
+    return made
+
+  def is_alive(self) -> bool:
+    return False
+
+  def stop(self, timeout: float = 10.0) -> None:
+    del timeout
+    self.gate.close()
+
+  def __enter__(self) -> "InlineWorker":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> bool:
+    self.stop()
+    return False

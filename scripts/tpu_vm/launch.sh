@@ -17,15 +17,15 @@ with the output of worker W in ~/DIR/tpu-logs/worker-W.log (worker 0's also on t
 then copies every worker's log into DIR (gcloud compute tpus tpu-vm scp --worker=all), also when
 the run fails. Exits with the run's status.
 
-Joining the hosts: on a TPU VM, jax.distributed.initialize() with no arguments finds the
-coordinator by itself, but jaxrl calls it with explicit distributed.* values, and only when
-distributed.num_processes > 1. So each worker reads, from the TPU VM metadata server (the same
+Joining the hosts: jaxrl's own detection (distributed.auto) reads only environment variables
+(TPU_WORKER_HOSTNAMES, TPU_WORKER_ID), never the TPU VM metadata server, and explicit
+distributed.* values win over it. So each worker reads, from the metadata server (the same
 source JAX's auto-detection uses), its worker number and the worker list, and appends
   --config.distributed.coordinator_address=<worker 0's IP>:PORT
   --config.distributed.num_processes=<number of workers>
   --config.distributed.process_id=<this worker's number>
 The config itself needs nothing distributed, but must be valid for several processes:
-rollout.lag = 0, rollout.engine = 'static', and a mesh whose sizes multiply to the slice's
+rollout.engine = 'static' (any rollout.lag), and a mesh whose sizes multiply to the slice's
 chip count (16 on a v5e-16; mesh.data = -1 takes what is left).
 
   --config CONFIG           recipe, relative to DIR on the workers (required), e.g.
