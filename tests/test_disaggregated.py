@@ -77,7 +77,8 @@ def _devices(x) -> set[int]:
   return {d.id for d in x.sharding.device_set}
 
 
-@pytest.mark.parametrize("engine", ["static", "continuous"])
+# The continuous engine compiles more; it runs in the slow step.
+@pytest.mark.parametrize("engine", ["static", pytest.param("continuous", marks=pytest.mark.slow)])
 def test_rollout_mesh_samples_the_colocated_tokens(engine):
   """Same init params and keys: 4 rollout devices (after a reshard from the 4-device train
   mesh) and a colocated 4-device mesh sample identical tokens; the sampled arrays live on the
@@ -107,6 +108,7 @@ def test_rollout_mesh_samples_the_colocated_tokens(engine):
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_rollout_mesh_samples_the_same_tokens():
   """A (2, 1, 2) rollout mesh (tensor-parallel params, rows over 'data') against a colocated
   train mesh with fsdp: the same greedy tokens, log-probs within 1e-5."""
