@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.parallel import batch_sharding, make_mesh
 from jaxrl.pipeline import BatchMeta, DataPlane, balance_rows
+from processes import communicate, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -418,31 +418,16 @@ def test_gather_does_not_recompile_for_a_repeated_pattern(mesh8):
 # -- several processes ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_assemble_and_gather_rows():
   """Two jax.distributed CPU processes of 4 devices each: contiguous, interleaved and
   replicated-across-processes row layouts (see `_process_main`)."""
-  port = _free_port()
+  port = free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
   procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=120)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  for out in communicate(procs, 120):
     for layout in ("blocked", "interleaved", "replicated"):
       assert f"OK {layout}" in out, out[-3000:]
 

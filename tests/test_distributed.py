@@ -5,7 +5,6 @@ checks applied to the joined count, and real two-process joins through torchrun-
 extra's torch)."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from jaxrl.config import ConfigError, distributed_settings, validate
 from jaxrl.configs.default import get_config
 from jaxrl.parallel import distributed
 from jaxrl.parallel.distributed import Detected, EnvError, detect
+from processes import communicate, free_port
 
 TORCHRUN = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_JOB_ID": "1234", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_PROCID": "2",
@@ -208,12 +208,6 @@ def test_checks_apply_to_the_detected_process_count():
 
 # --- real processes ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _env(devices: int, **extra: str) -> dict:
   env = {k: v for k, v in os.environ.items()
          if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TPU_", "MEGASCALE_"))}
@@ -228,20 +222,6 @@ def _torchrun_env(rank: int, port: int) -> dict:
   return _env(4, WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _communicate(procs, timeout: float) -> list[str]:
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
-  return outs
-
-
 JOIN = """
 import os
 from jaxrl.parallel import distributed
@@ -253,18 +233,18 @@ print(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_coun
 
 
 def test_two_processes_join_through_torchrun_style_env():
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-c", JOIN], env=_torchrun_env(i, port),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
-  outs = _communicate(procs, 120)
+  outs = communicate(procs, 120)
   for i, out in enumerate(outs):
     assert f"process {i} of 2, 8 devices, 4 local; torchrun-style env vars" in out, out
     assert f"127.0.0.1:{port}" in out, out
 
 
 def test_malformed_launcher_variable_is_a_config_error(tmp_path):
-  env = _torchrun_env(5, _free_port())  # RANK 5 of WORLD_SIZE 2
+  env = _torchrun_env(5, free_port())  # RANK 5 of WORLD_SIZE 2
   proc = subprocess.run([sys.executable, "-m", "jaxrl.train", f"--config.run_dir={tmp_path}"],
                         env={**env, "JAX_LOG_COMPILES": "1"}, cwd=tmp_path, capture_output=True,
                         text=True, timeout=120)
@@ -278,21 +258,14 @@ def test_malformed_launcher_variable_is_a_config_error(tmp_path):
 def test_detected_processes_get_the_multi_process_checks(tmp_path):
   """Nothing distributed in the config, two processes joined from the environment: the
   continuous engine is refused, before compiling, as with explicit keys."""
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train",
                              "--config.rollout.engine=continuous",
                              f"--config.run_dir={tmp_path / 'run'}"],
                             env={**_torchrun_env(i, port), "JAX_LOG_COMPILES": "1"}, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=120)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
+  outs = communicate(procs, 120, check=False)
   assert "jaxrl | joined 2 processes (8 devices)" in outs[0], outs[0]
   for p, out in zip(procs, outs):
     assert p.returncode != 0, out
@@ -310,12 +283,12 @@ def test_train_joins_two_processes_through_torchrun_style_env(tmp_path):
           "--config.task.val_size=16", "--config.val.batch_size=16", "--config.val.at_start=false",
           "--config.val.at_end=false", "--config.val.every=1000", "--config.rollout.num_prompts=4",
           "--config.mesh.data=-1", f"--config.run_dir={tmp_path / 'run'}"]
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train", *args],
                             env=_torchrun_env(i, port), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
-  outs = _communicate(procs, 600)
+  outs = communicate(procs, 600)
   joined = [line for line in outs[0].splitlines() if line.startswith("jaxrl | joined")]
   assert len(joined) == 1, outs[0]
   assert "joined 2 processes (8 devices) through torchrun-style env vars" in joined[0]

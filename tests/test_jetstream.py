@@ -9,7 +9,6 @@ pytest -s -m jetstream` when one dies without a report.
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 pytest.importorskip("jetstream")
 
 from conftest import tiny_model_config  # noqa: E402
+from processes import free_port  # noqa: E402
 from jaxrl.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxrl.models import init_model  # noqa: E402
 from jaxrl.rollout.engine import Engine  # noqa: E402
@@ -162,12 +162,6 @@ def test_tokenizer_adapter_pads_to_jetstream_buckets(model):
   assert jt.bos_id == BOS_SENTINEL and jt.decode([3]) == "b" and jt.decode([1]) == ""
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A tiny random Qwen2 directory: jaxrl weights via `save_hf` next to a byte-level BPE
@@ -193,7 +187,7 @@ def test_serve_script_answers_one_grpc_request(hf_dir, tmp_path):
   from jaxrl.models.hf import load_hf
 
   path = hf_dir
-  port = _free_port()
+  port = free_port()
   log_path = tmp_path / "serve.log"
   prompt = "What is 12 + 30?"
   with open(log_path, "w") as log:

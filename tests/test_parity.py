@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from processes import free_port
 
 STEPS = 3
 ARGS = ["--config.task.num_digits=1", "--config.task.dev_size=16", "--config.task.val_size=32",
@@ -103,12 +104,6 @@ def test_one_device_vs_eight_devices(tmp_path):
   assert n > 100
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 # Lag 1 on several processes: the rollouts are produced inline by the trainer (`InlineWorker`)
 # while one process uses the rollout thread; validation mid-run and a checkpoint of the lag ring
 # mid-run are both on the path.
@@ -124,7 +119,7 @@ def test_one_process_vs_two_processes(tmp_path, extra):
   base = _rows(one)
   _check_nontrivial(base, steps=4 if extra else STEPS)
   two = tmp_path / "two"
-  addr = f"127.0.0.1:{_free_port()}"
+  addr = f"127.0.0.1:{free_port()}"
   procs = [_start(two, 4, [*MESH8, *extra, f"--config.distributed.coordinator_address={addr}",
                            "--config.distributed.num_processes=2",
                            f"--config.distributed.process_id={i}",

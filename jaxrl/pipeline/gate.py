@@ -98,14 +98,7 @@ class LagGate:
         if blocked:
           self._worker_blocked_s += time.monotonic() - start
           self._reserve_since = None
-      if not self._open():
-        return None
-      batch_id = self._submitted
-      self._submitted += 1
-      self._max_held = max(self._max_held, self._submitted - self._freed)
-      self._check()
-      self._cond.notify_all()
-      return batch_id
+      return self._take_slot_locked() if self._open() else None
 
   def try_reserve(self) -> int | None:
     """`reserve()` without waiting: the next batch id if a slot is free now, else None (also
@@ -114,12 +107,15 @@ class LagGate:
     with self._cond:
       if not self._open() or self._submitted - self._freed >= self.capacity:
         return None
-      batch_id = self._submitted
-      self._submitted += 1
-      self._max_held = max(self._max_held, self._submitted - self._freed)
-      self._check()
-      self._cond.notify_all()
-      return batch_id
+      return self._take_slot_locked()
+
+  def _take_slot_locked(self) -> int:
+    batch_id = self._submitted
+    self._submitted += 1
+    self._max_held = max(self._max_held, self._submitted - self._freed)
+    self._check()
+    self._cond.notify_all()
+    return batch_id
 
   def deliver(self, batch_id: int, item) -> None:
     """Hands the finished batch `batch_id` to the trainer (it is pulled in batch-id order).
