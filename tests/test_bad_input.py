@@ -179,6 +179,7 @@ def test_non_finite_rewards_are_excluded_and_counted(tmp_path, monkeypatch):
   assert all(r["skipped_nonfinite"] == 0 and np.isfinite(r["loss"]) for r in rl)
 
 
+@pytest.mark.slow  # a whole run to its checkpoint (fast-suite time budget)
 def test_skip_cap_stops_with_a_checkpoint(tmp_path, monkeypatch):
   parts = _parts(_tiny_cfg(train__max_skipped_updates=1, rollout_kl__coef=0.1))
   _poison(monkeypatch, {2, 3}, "logprobs")

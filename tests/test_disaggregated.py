@@ -77,8 +77,9 @@ def _devices(x) -> set[int]:
   return {d.id for d in x.sharding.device_set}
 
 
-# The continuous engine compiles more; it runs in the slow step.
-@pytest.mark.parametrize("engine", ["static", pytest.param("continuous", marks=pytest.mark.slow)])
+# Two samplers compiled per engine, on two meshes: the slow step (fast-suite time budget).
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["static", "continuous"])
 def test_rollout_mesh_samples_the_colocated_tokens(engine):
   """Same init params and keys: 4 rollout devices (after a reshard from the 4-device train
   mesh) and a colocated 4-device mesh sample identical tokens; the sampled arrays live on the

@@ -155,7 +155,10 @@ _FULL = StepConfig(objective=losses.ObjectiveConfig(
     seq_logprob_error_threshold=5.0), advantage="rloo", adv_clip=3.0)
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_sum_norm"])
+# The second reduction runs in the slow step (fast-suite time budget).
+@pytest.mark.parametrize("reduction", ["token_mean",
+                                       pytest.param("seq_mean_token_sum_norm",
+                                                    marks=pytest.mark.slow)])
 def test_full_objective_microbatched_matches_single_batch(reduction):
   cfg = dataclasses.replace(_FULL, objective=dataclasses.replace(_FULL.objective,
                                                                  reduction=reduction))
