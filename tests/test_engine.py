@@ -1,5 +1,6 @@
-"""Slot engine: same samples as the static sampler, one prefill per group, the log-prob contract,
-version stamps across a mid-request params switch, and no recompiles within a prefill bucket."""
+"""Slot engine: same samples as the static sampler (every decode program of the driver), the
+batched driver bit-identical to one call per prompt and row, one prefill per group, the log-prob
+contract, version stamps across a mid-request params switch, and no recompiles once warm."""
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +30,30 @@ def _left_pad(prompts):
   return tokens, tokens > 0
 
 
-@pytest.fixture(scope="module")
-def setup():
-  cfg = tiny_model_config()
-  graphdef, params = init_model(cfg, seed=0)
+def _engine(graphdef, **kw):
   # 4 slots for 9 rows: slots are reused, and a group straddles dispatches (3 + 1 members, then
   # the remaining 2 wait for free slots with the prefix kept).
-  engine = Engine(graphdef, num_slots=4, max_prompt_len=LP, max_new_tokens=N, eos_id=EOS,
-                  pad_id=0, prefill_buckets=(4, 8), steps_per_dispatch=3)
+  return Engine(graphdef, num_slots=4, max_prompt_len=LP, max_new_tokens=N, eos_id=EOS,
+                pad_id=0, prefill_buckets=(4, 8), steps_per_dispatch=3, **kw)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  """An engine with the full decode program only (every slot over the whole cache)."""
+  cfg = tiny_model_config()
+  graphdef, params = init_model(cfg, seed=0)
+  return cfg, graphdef, params, _engine(graphdef, compact=False)
+
+
+@pytest.fixture(scope="module")
+def windowed(setup):
+  """The default engine with a cache window of 8 (of S = 16), so that every decode program
+  runs: at most half the slots busy, only those are decoded; else rows whose positions stay
+  under the window decode over its 8 cache slots, the others over all 16."""
+  cfg, graphdef, params, _ = setup
+  engine = _engine(graphdef, short_window=8)
+  assert engine.programs() == [((1, None),), ((2, None),), ((4, None),), ((4, 8),),
+                               ((3, 8), (1, None))]
   return cfg, graphdef, params, engine
 
 
@@ -90,6 +107,66 @@ def test_engine_matches_static_sampler(setup, sampler, sampling):
     assert ends == set(EOS)
 
 
+def _one_call_per_step(engine, params, prompts, ids, key, temperature, top_k, top_p):
+  """`Engine.run`'s schedule through the single-prompt API: one `prefill` per prompt, one
+  `insert` per row, one `generate` over every slot per dispatch -> (tokens, logprobs, lengths,
+  versions) in row order."""
+  rows = [(p, r) for r, p in enumerate(np.repeat(np.arange(len(prompts)), G))]
+  out = [np.zeros((len(rows), N), np.int32), np.zeros((len(rows), N), np.float32),
+         np.zeros(len(rows), np.int32), np.zeros((len(rows), N), np.int32)]
+  state, free, slot_row, prefixes = engine.init_decode_state(params), list(range(4)), {}, {}
+  setting = (np.float32(temperature), np.int32(top_k), np.float32(top_p), np.int32(0))
+  while rows or slot_row:
+    while free and rows:
+      p, r = rows.pop(0)
+      if p not in prefixes:
+        prefixes[p] = engine.prefill(params, prompts[p])
+      slot = free.pop(0)
+      state = engine.insert(prefixes[p], state, np.int32(slot), np.int32(ids[r]), key, *setting)
+      slot_row[slot] = r
+    state = engine.generate(params, state, np.int32(0), np.int32(engine.steps_per_dispatch))
+    got = jax.device_get((state.done, state.tokens, state.logprobs, state.count, state.versions))
+    for slot in [s for s in slot_row if got[0][s]]:
+      r = slot_row.pop(slot)
+      out[0][r], out[1][r], out[2][r], out[3][r] = (x[slot] for x in got[1:])
+      free.append(slot)
+  return out
+
+
+def test_batched_driver_is_bit_identical_to_one_call_per_prompt_and_row(setup):
+  # Full-width decode: batching prefills and inserts into a few dispatches, overlapping the
+  # host's bookkeeping with the next dispatch and reading snapshots must not change one bit.
+  _, _, params, engine = setup
+  ids, key = np.arange(len(PROMPTS) * G) + 100, jax.random.key(1)
+  engine.stats.clear()
+  out = engine.run(params, PROMPTS, ids, key, group_size=G, **SAMPLED)
+  ref = _one_call_per_step(engine, params, PROMPTS, ids, key, **SAMPLED)
+  for name, want in zip(("tokens", "logprobs", "lengths", "versions"), ref):
+    np.testing.assert_array_equal(getattr(out, name), want, err_msg=name)
+  # One prefill dispatch per length bucket (8 and 4); one insert dispatch per round of
+  # admissions (4 rows at first, then as slots free up), not one per row.
+  assert engine.stats["prefill_call"] == 2 and engine.stats["insert"] == 9
+  assert engine.stats["insert_call"] < 9 and engine.stats["compact"] == 0
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
+def test_compacted_and_windowed_programs_give_the_static_samplers_tokens(windowed, sampler,
+                                                                         sampling):
+  _, _, params, engine = windowed
+  engine.stats.clear()
+  ids = np.arange(len(PROMPTS) * G) + 100
+  # PROMPTS mix rows that outgrow the window with rows that do not; one- and two-token prompts
+  # keep every busy slot under it for a while.
+  for prompts in (PROMPTS, [[2, 3], [4], [6, 7]]):
+    ref = sampler(params, *_left_pad(prompts), jax.random.key(1), ids, **sampling)
+    out = engine.run(params, prompts, ids, jax.random.key(1), group_size=G, **sampling)
+    np.testing.assert_array_equal(out.tokens, np.asarray(ref.tokens))
+    np.testing.assert_array_equal(out.lengths, np.asarray(ref.lengths))
+    np.testing.assert_allclose(out.logprobs, np.asarray(ref.logprobs), atol=1e-5)
+  # Not vacuous: every kind of program ran.
+  assert engine.stats["split"] and engine.stats["short"] and engine.stats["compact"]
+
+
 def test_group_shares_one_prefill_and_streams_whole_groups(setup):
   _, _, _, engine = setup
   engine.stats.clear()
@@ -133,8 +210,11 @@ def _teacher_forced_logits(forward_logits, params, prompts, tokens):
   return np.stack([full[r, len(p) - 1:len(p) - 1 + N] for r, p in enumerate(rows)])
 
 
+@pytest.mark.parametrize("engine_kind", ["full", "windowed"])
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
-def test_partial_rollout_switches_params_between_dispatches(setup, switch, sampling):
+def test_partial_rollout_switches_params_between_dispatches(request, switch, sampling,
+                                                            engine_kind):
+  setup = request.getfixturevalue("setup" if engine_kind == "full" else "windowed")
   _, _, params, engine = setup
   new_params, forward_logits = switch
 
@@ -192,13 +272,19 @@ def test_partial_rollout_switches_params_between_dispatches(setup, switch, sampl
     assert np.abs(stale.logprobs[:4] - want_stale[:4])[after_switch].max() > 1e-3
 
 
-def test_no_recompile_within_a_bucket(setup):
+@pytest.mark.parametrize("engine_kind", ["full", "windowed"])
+def test_no_recompile_once_warm(request, engine_kind):
+  setup = request.getfixturevalue("setup" if engine_kind == "full" else "windowed")
   _, _, params, engine = setup
-  _run(setup, **SAMPLED)  # warm: buckets 8 and 4
-  fns = (engine._prefill, engine.insert, engine.generate, engine.init_decode_state)
+  engine.warmup(params)  # every prefill bucket (8 and 4), the inserts, every decode program
+  fns = (engine.fns.init_pool, engine.fns.prefill_many, engine.fns.insert_many, engine.fns.step,
+         engine.init_decode_state)
   before = [f._cache_size() for f in fns]
+  # (Engines of one shape share their programs: the step may hold the other engine's too.)
+  assert before[1] == 2 and before[3] >= len(engine.programs())
   # Other lengths in the same buckets (7, 5 -> 8; 2 -> 4), other sampling settings, version,
   # request ids, steps per dispatch and key: nothing new to compile.
+  _run(setup, **SAMPLED)
   _run(setup, key=3, ids=np.arange(9) * 7, prompts=[[3] * 7, [4] * 5, [6, 7]], temperature=1.3,
        top_k=0, top_p=0.8, version=5, steps=5)
   _run(setup, prompts=[[9] * 8, [2, 2, 2, 2], [12]], temperature=0.0)

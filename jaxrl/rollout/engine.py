@@ -22,7 +22,8 @@ to it, or to MaxText's OfflineEngine-style drivers, stays thin:
 
 All four are pure and jitted; `insert`, `generate` and `refresh` donate the decode state, so the
 KV cache (the only large buffer) is updated in place. Slot ids, request ids, sampling settings
-and versions are array arguments: nothing recompiles per request, only per prefill bucket.
+and versions are array arguments: nothing recompiles per request, only per prefill bucket (and,
+in `Engine.run`, per decode program of `Engine.programs()`).
 
 Why each slot's cache region starts at cache slot 0 with the prompt's real tokens: positions and
 cache indices then coincide (`pos`), and one per-slot index says both where the next token goes
@@ -34,10 +35,28 @@ with `fold_in(fold_in(key, r), t)`, log-probs are `log_softmax(logits / T)` over
 vocabulary. The same key and request ids therefore give the same tokens as the static sampler,
 whatever the slot a request lands in or when it is admitted.
 
-`Engine.run` is the host-side driver: it keeps every slot busy (prefill once per prompt, insert
-its G members into free slots, dispatch `generate`, collect finished slots, free them), streams
-finished groups to `on_finish`, and returns rows in request order in the sampler's format plus
-per-token versions.
+`Engine.run` is the host-side driver: it keeps every slot busy, streams finished groups to
+`on_finish`, and returns rows in request order in the sampler's format plus per-token versions.
+It drives batched versions of the same computations (`make_driver_fns`) so that the host does
+little per token:
+
+- Prompts are prefilled ahead into a pool of `prefill_batch` prefixes, as many per dispatch as
+  there are free pool rows (one dispatch per length bucket), each prompt still computed alone;
+- each round of admissions (the free slots, filled with prompts' members in prompt order) is one
+  dispatch of inserts;
+- each decode dispatch also returns a snapshot of `done`, `count` and the per-token rows; the
+  host copies finished rows out of it while the next dispatch runs;
+- `Engine.plan` picks each dispatch's decode program: when at most half the slots are occupied,
+  only those (gathered into B/2, B/4 or B/8 slots); else, if `short_window` is set, the slots
+  whose positions stay under it over that many cache slots, and the few others (B/8 or B/4 of
+  them) over the whole cache. A decode step costs about its slots x the cache length they
+  attend over, so the drain of a long-tailed batch (a few long rows left) and many short rows
+  next to a few long ones both cost less than every slot over the whole cache.
+
+With `compact=False` only the full program runs, and the outputs are bit-identical to one
+`prefill` per prompt, one `insert` per row and `generate` over all slots (tested). The other
+programs give the same tokens; their log-probs differ in float rounding (up to ~1e-6: the
+matmuls and attention sums run over other shapes), well inside the log-prob contract.
 
 Partial rollouts (`run(..., params_source=...)`): between dispatches the driver asks the source
 for `(version, params)`. On a new version it switches: later tokens are produced and stamped with
@@ -51,6 +70,7 @@ prefix's keys/values then mix versions and the stamp is only approximate.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -63,7 +83,8 @@ from jaxrl.rollout.sampler import eos_tuple, is_eos, pick_tokens
 
 
 class Prefix(NamedTuple):
-  """One prefilled prompt, ready to be inserted into any number of slots."""
+  """One prefilled prompt, ready to be inserted into any number of slots. The driver's prefix
+  pool (`make_driver_fns`) has the same fields with a leading axis of pool rows."""
 
   cache: KVCache  # batch axis of 1, `bucket` cache slots; real tokens in [0, length)
   tokens: jax.Array  # [bucket] int32, the prompt right-padded
@@ -124,13 +145,140 @@ def _put_row(buf: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(buf, row.astype(buf.dtype), starts)
 
 
+def _get_row(buf: jax.Array, row: jax.Array) -> jax.Array:
+  """Row `row` of `buf` along its batch axis, keeping that axis (size 1)."""
+  return jax.lax.dynamic_slice_in_dim(buf, row, 1, axis=_batch_axis(buf))
+
+
+# Fields a decode dispatch changes; the rest (request id, key, sampling settings) it only reads.
+_DECODED = ("cache", "seq", "pos", "last", "done", "count", "tokens", "logprobs", "versions")
+
+
+def _gather(state: DecodeState, idx: jax.Array, window: int | None = None) -> DecodeState:
+  """The sub-state of slots `idx`, with the KV cache and `seq` cut to their first `window`
+  cache slots (None: all)."""
+  if window is not None:
+    cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)
+    k, v = state.cache.k, state.cache.v
+    state = state._replace(seq=cut(state.seq, 1), cache=KVCache(
+        jax.tree.map(lambda x: cut(x, x.ndim - 1), k),
+        jax.tree.map(lambda x: cut(x, x.ndim - 2), v), cut(state.cache.valid, 1)))
+  return jax.tree.map(lambda x: jnp.take(x, idx, _batch_axis(x)), state)
+
+
+def _scatter(state: DecodeState, sub: DecodeState, idx: jax.Array) -> DecodeState:
+  """Writes a decoded `_gather` sub-state (any window) back into `state` (in place under
+  donation)."""
+  def put(x, y):
+    ax = _batch_axis(x)
+    return x.at[tuple(idx if i == ax else slice(0, n) for i, n in enumerate(y.shape))].set(y)
+  return state._replace(**{f: jax.tree.map(put, getattr(state, f), getattr(sub, f))
+                           for f in _DECODED})
+
+
+def _decode_slots(model, layers, tok, pos, live, cache):
+  """One token per slot, each at its own position and cache index -> (logits [B, V], cache).
+
+  The model writes a whole batch at one cache index; vmapping it over slots (a batch of one
+  each) gives every slot its own index without touching the model.
+  """
+  axes = jax.tree.map(_batch_axis, cache)
+
+  def one(tok, pos, live, c):
+    c = jax.tree.map(jnp.expand_dims, c, axes)
+    hidden, c = model(tok[None, None], pos[None, None], live[None, None], c, pos, layers=layers)
+    return model.logits(hidden[0, 0]), jax.tree.map(jnp.squeeze, c, axes)
+
+  return jax.vmap(one, in_axes=(0, 0, 0, axes), out_axes=(0, axes))(tok, pos, live, cache)
+
+
+class _Core:
+  """The engine's per-prompt, per-slot and per-step computations (traced inside the jitted
+  functions of `make_engine_fns` and `make_driver_fns`, which share them so that both give
+  the same tokens)."""
+
+  def __init__(self, graphdef, *, num_slots, max_prompt_len, max_new_tokens, eos_ids, pad_id):
+    self.graphdef, self.B, self.N = graphdef, num_slots, max_new_tokens
+    self.S = max_prompt_len + max_new_tokens
+    self.eos_ids, self.pad_id = eos_tuple(eos_ids, "make_engine_fns"), pad_id
+
+  def prefill(self, model, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+    # Right padding: the real tokens sit at cache slots and positions 0..len-1, as in a slot.
+    T = tokens.shape[0]
+    valid = jnp.arange(T) < true_length
+    cache = KVCache.zeros(model.cfg, 1, T)
+    hidden, cache = model(tokens[None], jnp.arange(T)[None], valid[None], cache, 0)
+    logits = model.logits(jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, 0, False))
+    return Prefix(cache, tokens, jnp.asarray(true_length, jnp.int32), logits)
+
+  def insert(self, prefix: Prefix, state: DecodeState, slot, request_id, key, temperature, top_k,
+             top_p, version) -> DecodeState:
+    S, N, pad_id = self.S, self.N, self.pad_id
+    put = lambda buf, row: _put_row(buf, row, slot)
+    in_prompt = jnp.arange(S) < prefix.length
+    # The prefix's stale tail (bucket padding) and the slot's previous request stay in the
+    # cache but are masked: only [0, length) is valid.
+    cache = KVCache(jax.tree.map(put, state.cache.k, prefix.cache.k),
+                    jax.tree.map(put, state.cache.v, prefix.cache.v),
+                    put(state.cache.valid, in_prompt[None]))
+    prompt = jnp.zeros((S,), jnp.int32).at[:prefix.tokens.shape[0]].set(prefix.tokens)
+    seq = put(state.seq, jnp.where(in_prompt, prompt, pad_id)[None])
+    request_key = jax.random.fold_in(key, request_id)
+    tok, lp = pick_tokens(prefix.logits[None], 0, request_key[None], temperature, top_k, top_p)
+    first = jnp.arange(N) == 0
+    set_ = lambda buf, value: buf.at[slot].set(value)
+    return DecodeState(
+        cache=cache, seq=seq, pos=set_(state.pos, prefix.length), last=set_(state.last, tok[0]),
+        done=set_(state.done, is_eos(tok[0], self.eos_ids) | (N <= 1)),
+        count=set_(state.count, 1), request_id=set_(state.request_id, request_id),
+        key=set_(state.key, request_key), temperature=set_(state.temperature, temperature),
+        top_k=set_(state.top_k, top_k), top_p=set_(state.top_p, top_p),
+        tokens=set_(state.tokens, jnp.where(first, tok[0], pad_id)),
+        logprobs=set_(state.logprobs, jnp.where(first, lp[0], 0.0)),
+        versions=set_(state.versions, jnp.where(first, version, -1)))
+
+  def decode(self, model, layers, states: tuple[DecodeState, ...], version, steps
+             ) -> tuple[DecodeState, ...]:
+    """Up to `steps` decode steps of every slot of each state in `states` (any number of
+    slots, any cache length that holds the live slots' positions), all in one loop that stops
+    early once every slot is done."""
+    N = self.N
+
+    def one(s: DecodeState) -> DecodeState:
+      live = ~s.done
+      # Done slots still run (fixed shapes) but feed an invalid token and record nothing.
+      logits, cache = _decode_slots(model, layers, s.last, s.pos, live, s.cache)
+      tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p)
+      fed = (jnp.arange(s.seq.shape[1])[None, :] == s.pos[:, None]) & live[:, None]
+      new = (jnp.arange(N)[None, :] == s.count[:, None]) & live[:, None]
+      count = s.count + live
+      return s._replace(
+          cache=cache, seq=jnp.where(fed, s.last[:, None], s.seq), pos=s.pos + live,
+          last=jnp.where(live, tok, s.last),
+          done=s.done | (live & (is_eos(tok, self.eos_ids) | (count >= N))), count=count,
+          tokens=jnp.where(new, tok[:, None], s.tokens),
+          logprobs=jnp.where(new, lp[:, None], s.logprobs),
+          versions=jnp.where(new, version, s.versions))
+
+    going = lambda c: (c[0] < steps) & ~jnp.all(jnp.concatenate([s.done for s in c[1]]))
+    _, states = jax.lax.while_loop(going, lambda c: (c[0] + 1, tuple(map(one, c[1]))),
+                                   (jnp.int32(0), tuple(states)))
+    return states
+
+  def model(self, params):
+    """(model, layers): unrolled models get their per-layer weights prepared once here rather
+    than sliced in every decode step."""
+    model = nnx.merge(self.graphdef, params)
+    return model, (None if model.cfg.scan_layers else model.layer_weights())
+
+
 def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
                     max_new_tokens: int, eos_ids: Sequence[int], pad_id: int):
   """The pure jitted functions of the engine: `(init_decode_state, prefill, insert, generate,
   refresh)`; see the module docstring. Shapes are fixed by the arguments here."""
-  B, N = num_slots, max_new_tokens
-  S = max_prompt_len + max_new_tokens
-  eos_ids = eos_tuple(eos_ids, "make_engine_fns")
+  core = _Core(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
+               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+  B, N, S = core.B, core.N, core.S
 
   @jax.jit
   def init_decode_state(params) -> DecodeState:
@@ -149,83 +297,11 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
 
   @jax.jit
   def prefill(params, tokens: jax.Array, true_length: jax.Array) -> Prefix:
-    # Right padding: the real tokens sit at cache slots and positions 0..len-1, as in a slot.
-    model = nnx.merge(graphdef, params)
-    T = tokens.shape[0]
-    valid = jnp.arange(T) < true_length
-    cache = KVCache.zeros(model.cfg, 1, T)
-    hidden, cache = model(tokens[None], jnp.arange(T)[None], valid[None], cache, 0)
-    logits = model.logits(jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, 0, False))
-    return Prefix(cache, tokens, jnp.asarray(true_length, jnp.int32), logits)
-
-  def insert(prefix: Prefix, state: DecodeState, slot, request_id, key, temperature, top_k,
-             top_p, version) -> DecodeState:
-    put = lambda buf, row: _put_row(buf, row, slot)
-    in_prompt = jnp.arange(S) < prefix.length
-    # The prefix's stale tail (bucket padding) and the slot's previous request stay in the
-    # cache but are masked: only [0, length) is valid.
-    cache = KVCache(jax.tree.map(put, state.cache.k, prefix.cache.k),
-                    jax.tree.map(put, state.cache.v, prefix.cache.v),
-                    put(state.cache.valid, in_prompt[None]))
-    prompt = jnp.zeros((S,), jnp.int32).at[:prefix.tokens.shape[0]].set(prefix.tokens)
-    seq = put(state.seq, jnp.where(in_prompt, prompt, pad_id)[None])
-    request_key = jax.random.fold_in(key, request_id)
-    tok, lp = pick_tokens(prefix.logits[None], 0, request_key[None], temperature, top_k, top_p)
-    first = jnp.arange(N) == 0
-    set_ = lambda buf, value: buf.at[slot].set(value)
-    return DecodeState(
-        cache=cache, seq=seq, pos=set_(state.pos, prefix.length), last=set_(state.last, tok[0]),
-        done=set_(state.done, is_eos(tok[0], eos_ids) | (N <= 1)), count=set_(state.count, 1),
-        request_id=set_(state.request_id, request_id), key=set_(state.key, request_key),
-        temperature=set_(state.temperature, temperature), top_k=set_(state.top_k, top_k),
-        top_p=set_(state.top_p, top_p),
-        tokens=set_(state.tokens, jnp.where(first, tok[0], pad_id)),
-        logprobs=set_(state.logprobs, jnp.where(first, lp[0], 0.0)),
-        versions=set_(state.versions, jnp.where(first, version, -1)))
-
-  def decode_slots(model, layers, tok, pos, live, cache):
-    """One token per slot, each at its own position and cache index -> (logits [B, V], cache).
-
-    The model writes a whole batch at one cache index; vmapping it over slots (a batch of one
-    each) gives every slot its own index without touching the model.
-    """
-    axes = jax.tree.map(_batch_axis, cache)
-
-    def one(tok, pos, live, c):
-      c = jax.tree.map(jnp.expand_dims, c, axes)
-      hidden, c = model(tok[None, None], pos[None, None], live[None, None], c, pos,
-                        layers=layers)
-      return model.logits(hidden[0, 0]), jax.tree.map(jnp.squeeze, c, axes)
-
-    return jax.vmap(one, in_axes=(0, 0, 0, axes), out_axes=(0, axes))(tok, pos, live, cache)
+    return core.prefill(nnx.merge(graphdef, params), tokens, true_length)
 
   def generate(params, state: DecodeState, version, steps) -> DecodeState:
-    model = nnx.merge(graphdef, params)
-    # Unrolled models: per-layer weights prepared once here rather than sliced in every step.
-    layers = None if model.cfg.scan_layers else model.layer_weights()
-    at_pos = jnp.arange(S)[None, :]
-    at_count = jnp.arange(N)[None, :]
-
-    def body(carry):
-      i, s = carry
-      live = ~s.done
-      # Done slots still run (fixed shapes) but feed an invalid token and record nothing.
-      logits, cache = decode_slots(model, layers, s.last, s.pos, live, s.cache)
-      tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p)
-      fed = (at_pos == s.pos[:, None]) & live[:, None]
-      new = (at_count == s.count[:, None]) & live[:, None]
-      count = s.count + live
-      return i + 1, s._replace(
-          cache=cache, seq=jnp.where(fed, s.last[:, None], s.seq), pos=s.pos + live,
-          last=jnp.where(live, tok, s.last),
-          done=s.done | (live & (is_eos(tok, eos_ids) | (count >= N))), count=count,
-          tokens=jnp.where(new, tok[:, None], s.tokens),
-          logprobs=jnp.where(new, lp[:, None], s.logprobs),
-          versions=jnp.where(new, version, s.versions))
-
-    _, state = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), body,
-                                  (jnp.int32(0), state))
-    return state
+    model, layers = core.model(params)
+    return core.decode(model, layers, (state,), version, steps)[0]
 
   def refresh(params, state: DecodeState) -> DecodeState:
     # One forward over every slot's held tokens (prompt + fed completion, cache slots < pos)
@@ -238,26 +314,139 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
 
   # The decode state (and with it the KV cache) is donated: each call updates it in place
   # instead of copying the cache, and the caller never touches the old state again.
-  return (init_decode_state, prefill, jax.jit(insert, donate_argnums=(1,)),
+  return (init_decode_state, prefill, jax.jit(core.insert, donate_argnums=(1,)),
           jax.jit(generate, donate_argnums=(1,)), jax.jit(refresh, donate_argnums=(1,)))
+
+
+class DriverFns(NamedTuple):
+  """The batched functions `Engine.run` drives (see `make_driver_fns`)."""
+
+  init_pool: Callable  # (params) -> Prefix pool of Q rows
+  prefill_many: Callable  # (params, pool, tokens [Q, T], lengths [Q], rows [Q], n) -> pool
+  insert_many: Callable  # (pool, state, admit_i [5, B], admit_f [2, B], m, key) -> pool, state
+  step: Callable  # (params, state, idx, version, steps, *, groups) -> (state, snapshot)
+
+
+def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
+                    max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
+                    pool_rows: int) -> DriverFns:
+  """Batched versions of `prefill`, `insert` and `generate` for a host driver, one dispatch
+  however many prompts or rows each handles (see the module docstring):
+
+  - `prefill_many` prefills the first `n` of Q prompts (one length bucket T, right-padded)
+    into rows `rows` of a prefix pool of Q = `pool_rows` prompts at `max_prompt_len` cache
+    slots;
+  - `insert_many` inserts the first `m` of B admissions, each from a pool row into a slot
+    (`admit_i` rows: slot, pool row, request id, top_k, version; `admit_f`: temperature,
+    top_p);
+  - `step` runs `generate` on groups of slots (static `groups`: one program each): group g is
+    `groups[g][0]` slots of `idx` (in order), gathered out of the state with the KV cache cut to
+    its first `groups[g][1]` cache slots (None: all of it) and written back after; all groups
+    advance in the same loop. `((B, None),)` decodes the state in place (`idx` unused). It
+    returns the state and a snapshot for the host ([2, B] int32 done | count, tokens, logprobs,
+    versions: fresh buffers, which the host reads while the donated state goes on to the next
+    dispatch).
+
+  `insert_many` donates the pool and returns it, so a later prefill into a row it read runs
+  after it (a data dependency, not an ordering guarantee of the runtime). Each prompt and row is
+  computed exactly as `prefill` and `insert` compute it (a loop inside one program, not a
+  batched matmul), so tokens and log-probs do not depend on how many share a call. A group's
+  windowed cache must hold every position its live slots reach within the dispatch.
+  """
+  core = _Core(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
+               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+  B, Q, Lmax = core.B, pool_rows, max_prompt_len
+
+  @jax.jit
+  def init_pool(params) -> Prefix:
+    cfg = nnx.merge(graphdef, params).cfg
+    return Prefix(KVCache.zeros(cfg, Q, Lmax), jnp.full((Q, Lmax), pad_id, jnp.int32),
+                  jnp.ones((Q,), jnp.int32), jnp.zeros((Q, cfg.vocab_size), jnp.float32))
+
+  def prefill_many(params, pool: Prefix, tokens, lengths, rows, n) -> Prefix:
+    model = nnx.merge(graphdef, params)
+
+    def one(i, pool):
+      prefix, row = core.prefill(model, tokens[i], lengths[i]), rows[i]
+      put = lambda buf, x: _put_row(buf, x, row)
+      return Prefix(KVCache(jax.tree.map(put, pool.cache.k, prefix.cache.k),
+                            jax.tree.map(put, pool.cache.v, prefix.cache.v), pool.cache.valid),
+                    put(pool.tokens, prefix.tokens[None]), pool.length.at[row].set(prefix.length),
+                    pool.logits.at[row].set(prefix.logits))
+
+    return jax.lax.fori_loop(0, n, one, pool)
+
+  def insert_many(pool: Prefix, state: DecodeState, admit_i, admit_f, m, key):
+    def one(j, state):
+      row = admit_i[1, j]
+      get = lambda x: _get_row(x, row)
+      prefix = Prefix(KVCache(jax.tree.map(get, pool.cache.k), jax.tree.map(get, pool.cache.v),
+                              pool.cache.valid), pool.tokens[row], pool.length[row],
+                      pool.logits[row])
+      return core.insert(prefix, state, admit_i[0, j], admit_i[2, j], key, admit_f[0, j],
+                         admit_i[3, j], admit_f[1, j], admit_i[4, j])
+
+    return pool, jax.lax.fori_loop(0, m, one, state)
+
+  def step(params, state: DecodeState, idx, version, steps, *,
+           groups: tuple[tuple[int, int | None], ...]):
+    model, layers = core.model(params)
+    if groups == ((B, None),):
+      state, = core.decode(model, layers, (state,), version, steps)
+    else:
+      at = np.cumsum([0] + [n for n, _ in groups])
+      ids = [idx[at[g]:at[g + 1]] for g in range(len(groups))]
+      subs = core.decode(model, layers, tuple(_gather(state, i, w) for i, (_, w) in zip(
+          ids, groups)), version, steps)
+      for i, sub in zip(ids, subs):
+        state = _scatter(state, sub, i)
+    snapshot = (jnp.stack([state.done.astype(jnp.int32), state.count]), state.tokens,
+                state.logprobs, state.versions)
+    return state, snapshot
+
+  return DriverFns(init_pool, jax.jit(prefill_many, donate_argnums=(1,)),
+                   jax.jit(insert_many, donate_argnums=(0, 1)),
+                   jax.jit(step, static_argnames=("groups",), donate_argnums=(1,)))
+
+
+@functools.lru_cache(maxsize=64)
+def _shared(make, graphdef, **shape):
+  """`make(graphdef, **shape)`, built once per model structure and shape."""
+  return make(graphdef, **shape)
 
 
 class Engine:
   """Host-side slot manager over the pure engine functions (one per model shape and budget).
 
-  Not thread-safe: one `run` at a time. Counters in `stats` (`prefill`, `insert`, `dispatch`,
-  `refresh`) let callers and tests see how work was batched.
+  Not thread-safe: one `run` at a time. Counters in `stats` let callers and tests see how work
+  was batched: `prefill` (prompts prefilled) and `insert` (rows inserted), `prefill_call` and
+  `insert_call` (the dispatches doing them), `dispatch` (decode dispatches), `compact`, `short`
+  and `split` (those that decoded fewer slots, all of them over a shorter cache window, or some
+  of them; see `plan`) and `refresh`.
+
+  `prefill_batch` (Q) is the size of the prefix pool: prompts prefilled ahead of their
+  admission, up to Q per prefill dispatch.
+
+  Decode programs (`plan`): with `compact=True` a dispatch decodes only what it must. At most
+  half the slots occupied: only those, gathered into B/2, B/4 or B/8 slots. More: the slots
+  whose positions stay below `short_window` W during the dispatch over the first W cache slots
+  only, and the rest (B/8 or B/4 of them, or none) over the whole cache. Each choice is one
+  program, compiled on first use (`warmup` compiles them all). `short_window` None picks the
+  largest power of two <= S/4 if it is at least 2 x max_prompt_len (else no split); 0 turns the
+  split off. `compact=False` decodes every slot over the whole cache in every dispatch.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
                max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int,
                prefill_buckets: Sequence[int] | None = None, steps_per_dispatch: int = 8,
-               refresh_kv: bool = True):
+               refresh_kv: bool = True, prefill_batch: int = 16, compact: bool = True,
+               short_window: int | None = None):
     eos_ids = eos_tuple(eos_id, "Engine")
-    if num_slots < 1 or max_new_tokens < 1 or max_prompt_len < 1 or steps_per_dispatch < 1:
+    if (num_slots < 1 or max_new_tokens < 1 or max_prompt_len < 1 or steps_per_dispatch < 1
+        or prefill_batch < 1):
       raise ValueError(f"Engine: num_slots={num_slots}, max_prompt_len={max_prompt_len}, "
-                       f"max_new_tokens={max_new_tokens} and steps_per_dispatch="
-                       f"{steps_per_dispatch} must all be >= 1")
+                       f"max_new_tokens={max_new_tokens}, steps_per_dispatch="
+                       f"{steps_per_dispatch} and prefill_batch={prefill_batch} must all be >= 1")
     buckets = tuple(sorted(set(prefill_buckets or default_buckets(max_prompt_len))))
     if buckets[-1] < max_prompt_len or buckets[0] < 1:
       raise ValueError(f"Engine: prefill_buckets={buckets} must be >= 1 and reach "
@@ -266,10 +455,33 @@ class Engine:
                                                                 max_new_tokens)
     self.eos_ids, self.pad_id, self.buckets = eos_ids, pad_id, buckets
     self.steps_per_dispatch, self.refresh_kv = steps_per_dispatch, refresh_kv
+    self.pool_rows = prefill_batch
+    shape = dict(num_slots=num_slots, max_prompt_len=max_prompt_len,
+                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+    # Engines of one model and shape share their jitted functions, and so their compiled
+    # programs (the trainer builds several; so do tests and benchmarks).
     (self.init_decode_state, self._prefill, self.insert, self.generate,
-     self.refresh) = make_engine_fns(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
-                                     max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                     pad_id=pad_id)
+     self.refresh) = _shared(make_engine_fns, graphdef, **shape)
+    self.fns = _shared(make_driver_fns, graphdef, pool_rows=prefill_batch, **shape)
+    self.compact = compact
+    S = max_prompt_len + max_new_tokens
+    if short_window is None:
+      w = 1 << max(0, (S // 4).bit_length() - 1)
+      short_window = w if w >= 2 * max_prompt_len else 0
+    if not 0 <= short_window < S:
+      raise ValueError(f"Engine: short_window={short_window} must be in [0, {S})")
+    self.short_window = W = short_window if compact else 0
+    B = num_slots
+    self._programs = [((B, None),)]
+    if compact:
+      self._programs = [((b, None),) for b in sorted({max(1, B >> j) for j in range(4)})]
+      if W:
+        self._programs.append(((B, W),))
+        # Two groups cost one more model call per step and the copies of the long group's
+        # whole cache per dispatch: worth it for a few long rows only (at B/2 of them, the
+        # step costs as much as the full one here).
+        self._programs += [((B - n, W), (n, None))
+                           for n in sorted({max(1, B >> j) for j in (3, 2)}) if n < B]
     self.stats = collections.Counter()
 
   def bucket(self, length: int) -> int:
@@ -280,12 +492,53 @@ class Engine:
     raise ValueError(f"prompt of {length} tokens exceeds max_prompt_len={self.max_prompt_len}")
 
   def prefill(self, params, tokens: Sequence[int]) -> Prefix:
-    """Pads one prompt (a token list) to its bucket and prefills it."""
+    """Pads one prompt (a token list) to its bucket and prefills it (for `insert`)."""
     n = len(tokens)
     padded = np.full((self.bucket(n),), self.pad_id, np.int32)
     padded[:n] = tokens
-    self.stats["prefill"] += 1
     return self._prefill(params, padded, np.int32(n))
+
+  def programs(self) -> list[tuple[tuple[int, int | None], ...]]:
+    """Every decode program `plan` can choose, in its order of preference: groups of (slots,
+    cache window; None: the whole cache)."""
+    return list(self._programs)
+
+  def plan(self, reach: dict[int, int]) -> tuple[tuple[tuple[int, int | None], ...], list[int]]:
+    """The decode program for the occupied slots `reach` (slot -> the highest cache slot it
+    can write this dispatch, plus one) -> (groups, the slot ids of every group in order).
+    Free slots fill the groups up: they run but record nothing."""
+    B, W = self.num_slots, self.short_window
+    free = [s for s in range(B) if s not in reach]
+    for groups in self._programs:
+      if len(groups) == 1 and groups[0][1] is None:  # all slots, or a compacted few
+        n = groups[0][0]
+        if len(reach) <= n and (n <= B // 2 or n == B and not W):
+          live = list(reach)
+          return groups, live + free[:n - len(live)]
+      else:  # n_long slots over the whole cache, the others over its first W slots only
+        n_long = groups[1][0] if len(groups) == 2 else 0
+        order = sorted(reach, key=lambda s: -reach[s]) + free
+        if not order[n_long:] or reach.get(order[n_long], 0) <= W:
+          return groups, order[n_long:] + order[:n_long]
+    return ((B, None),), list(range(B))
+
+  def warmup(self, params) -> None:
+    """Compiles every program `run` can reach (each prefill bucket, the inserts, and every
+    decode program of `programs()`) on an empty state, so that no run compiles."""
+    state, pool = self.init_decode_state(params), self.fns.init_pool(params)
+    Q, B = self.pool_rows, self.num_slots
+    for T in self.buckets:
+      pool = self.fns.prefill_many(params, pool, np.zeros((Q, T), np.int32),
+                                   np.ones((Q,), np.int32), np.zeros((Q,), np.int32),
+                                   np.int32(0))
+    pool, state = self.fns.insert_many(pool, state, np.zeros((5, B), np.int32),
+                                       np.zeros((2, B), np.float32), np.int32(0),
+                                       jax.random.key(0))
+    for groups in self._programs:
+      n = sum(b for b, _ in groups)
+      state, snap = self.fns.step(params, state, np.arange(n, dtype=np.int32), np.int32(0),
+                                  np.int32(1), groups=groups)
+    jax.block_until_ready((state, snap, pool))
 
   def run(self, params, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], key,
           temperature=1.0, top_k=0, top_p=1.0, group_size: int = 1, version: int = 0,
@@ -296,11 +549,12 @@ class Engine:
     as in the static sampler, and `request_ids`, `temperature`, `top_k`, `top_p` are one per
     row (or one for all).
 
-    Keeps every slot busy: a prompt is prefilled once when its first member gets a free slot
-    and its members are inserted as slots free up. After each dispatch of
-    `steps_per_dispatch` decode steps, finished slots are collected and freed; when the last
-    member of a group finishes, `on_finish(prompt_index, EngineOutput of its G rows)` is called
-    (groups complete out of order).
+    Keeps every slot busy: prompts are prefilled ahead into the prefix pool (once per prompt,
+    several per dispatch), and their members are inserted as slots free up (one dispatch per
+    round of admissions). After each dispatch of `steps_per_dispatch` decode steps (with the
+    program `plan` picks) the finished slots are freed; their rows are copied out while the
+    next dispatch runs, and when the last member of a group finishes, `on_finish(prompt_index,
+    EngineOutput of its G rows)` is called (groups complete out of order).
 
     `params_source`, if given, is called before every dispatch (and before the first admission)
     and returns `(version, params)`; a new version is switched to at once (partial rollouts,
@@ -308,7 +562,8 @@ class Engine:
     that returns None. Without it every token is produced by `params` and stamped `version`.
     `steps` overrides `steps_per_dispatch` for this run (an array argument: no recompile).
     """
-    G, P, N = group_size, len(prompts), self.max_new_tokens
+    G, P, N, B, Q = (group_size, len(prompts), self.max_new_tokens, self.num_slots,
+                     self.pool_rows)
     R = P * G
     ids = np.asarray(request_ids, np.int64)
     if G < 1 or ids.shape != (R,):
@@ -324,6 +579,8 @@ class Engine:
     ids = ids.astype(np.int32)
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
+    k = np.int32(steps or self.steps_per_dispatch)
+    lens = [len(p) for p in prompts]
 
     out = EngineOutput(np.full((R, N), self.pad_id, np.int32), np.zeros((R, N), np.float32),
                        np.zeros((R, N), bool), np.zeros((R,), np.int32),
@@ -333,35 +590,120 @@ class Engine:
       got = params_source()
       if got is not None:
         cur_version, cur_params = int(got[0]), got[1]
-    state = self.init_decode_state(cur_params)
-    free = collections.deque(range(self.num_slots))
-    slot_row: dict[int, int] = {}
+    state, pool = self.init_decode_state(cur_params), self.fns.init_pool(cur_params)
+    free = collections.deque(range(B))  # slots with no request
+    slot_row: dict[int, int] = {}  # occupied slot -> row
+    slot_len, slot_count = [0] * B, [0] * B  # prompt length and tokens so far (host view)
+    free_rows = collections.deque(range(Q))  # pool rows holding no prompt still needed
+    entries = collections.deque()  # [prompt, pool row, version, members inserted], in order
     waiting = collections.deque(range(P))
-    current = None  # [prompt index, prefix, prefix version, next member]
     left_in_group = [G] * P
     finished = 0
+    ended_rows = None  # (snapshot, [(slot, row, length)]) of the last dispatch, copied later
+
+    def prefill(batch, params):
+      """Prefills pool entries' prompts into their rows: one dispatch per length bucket."""
+      nonlocal pool
+      by_bucket = collections.defaultdict(list)
+      for e in batch:
+        by_bucket[self.bucket(lens[e[0]])].append(e)
+      for T, items in by_bucket.items():
+        # Fresh host arrays per dispatch: on CPU a dispatch may read numpy inputs in place
+        # after it returns, so they are never written again.
+        tokens = np.full((Q, T), self.pad_id, np.int32)
+        lengths, rows = np.ones((Q,), np.int32), np.zeros((Q,), np.int32)
+        for i, (p, row, _, _) in enumerate(items):
+          tokens[i, :lens[p]], lengths[i], rows[i] = prompts[p], lens[p], row
+        pool = self.fns.prefill_many(params, pool, tokens, lengths, rows, np.int32(len(items)))
+        self.stats["prefill"] += len(items)
+        self.stats["prefill_call"] += 1
+
+    def prefill_next(n):
+      """Prefills the next `n` waiting prompts into free pool rows."""
+      batch = [[waiting.popleft(), free_rows.popleft(), cur_version, 0] for _ in range(n)]
+      prefill(batch, cur_params)
+      entries.extend(batch)
+
+    def admissions():
+      """Inserts members of the prefilled prompts into the free slots, in prompt order: one
+      dispatch per round (more only if the pool must be refilled within the round)."""
+      m, used = 0, []
+
+      def insert():
+        nonlocal state, pool, m
+        if m:
+          pool, state = self.fns.insert_many(pool, state, admit_i, admit_f, np.int32(m), key)
+          self.stats["insert"] += m
+          self.stats["insert_call"] += 1
+        # The rows that dispatch read for the last time may be refilled now: the pool it
+        # returns is what the next prefill takes.
+        free_rows.extend(used)
+        m = 0
+        used.clear()
+
+      # Fresh host arrays per dispatch: on CPU a dispatch may read numpy inputs in place after
+      # it returns, so they are never written again.
+      admit_i, admit_f = np.zeros((5, B), np.int32), np.zeros((2, B), np.float32)
+      while free and (entries or waiting):
+        if not entries:
+          if not free_rows:  # every row waits for this round's inserts: do them now
+            insert()
+            admit_i, admit_f = np.zeros((5, B), np.int32), np.zeros((2, B), np.float32)
+          prefill_next(min(len(free_rows), len(waiting)))
+        e = entries[0]
+        p, row, ver, g = e
+        slot, r = free.popleft(), p * G + g
+        admit_i[:, m] = slot, row, ids[r], ks[r], ver
+        admit_f[:, m] = temps[r], ps[r]
+        m += 1
+        slot_row[slot], slot_len[slot], slot_count[slot] = r, lens[p], 1
+        e[3] += 1
+        if e[3] == G:
+          entries.popleft()
+          used.append(row)
+      insert()
+
+    def collect(snapshot, ended):
+      """Copies finished rows out of a dispatch's snapshot and reports completed groups."""
+      tokens, logprobs, versions = (np.asarray(x) for x in snapshot[1:])
+      for slot, row, n in ended:
+        out.tokens[row], out.logprobs[row], out.versions[row] = (tokens[slot], logprobs[slot],
+                                                                 versions[slot])
+        out.mask[row, :n], out.lengths[row] = True, n
+        p = row // G
+        left_in_group[p] -= 1
+        if left_in_group[p] == 0 and on_finish is not None:
+          on_finish(p, EngineOutput(*(x[p * G:(p + 1) * G] for x in out)))
 
     while finished < R:
-      while free and (current is not None or waiting):
-        if current is None:
-          p = waiting.popleft()
-          current = [p, self.prefill(cur_params, prompts[p]), cur_version, 0]
-        p, prefix, prefix_version, g = current
-        slot, row = free.popleft(), p * G + g
-        state = self.insert(prefix, state, np.int32(slot), ids[row], key, temps[row], ks[row],
-                            ps[row], np.int32(prefix_version))
-        self.stats["insert"] += 1
-        slot_row[slot] = row
-        current[3] += 1
-        if current[3] == G:
-          current = None
-      state = self.generate(cur_params, state, np.int32(cur_version),
-                            np.int32(steps or self.steps_per_dispatch))
+      admissions()
+      # A slot holds position len + count - 1 and writes at most min(k, N - count) more.
+      live = list(slot_row)
+      groups, idx = self.plan({s: slot_len[s] + slot_count[s] - 1 + min(k, N - slot_count[s])
+                               for s in live})
+      state, snapshot = self.fns.step(cur_params, state, np.asarray(idx, np.int32),
+                                      np.int32(cur_version), k, groups=groups)
+      for x in snapshot:
+        x.copy_to_host_async()
       self.stats["dispatch"] += 1
-      done = np.asarray(state.done)
-      ended = sorted(s for s in slot_row if done[s])
+      self.stats["compact"] += groups[0][0] < B and groups[0][1] is None
+      self.stats["short"] += groups == ((B, self.short_window),)
+      self.stats["split"] += len(groups) == 2
+      # Host work while the dispatch runs: copy out the previous dispatch's finished rows, and
+      # prefill the next prompts once half the pool (or all that is left to do) is free.
+      if ended_rows is not None:
+        collect(*ended_rows)
+        ended_rows = None
+      if waiting and len(free_rows) >= min(max(1, Q // 2), len(waiting)):
+        prefill_next(min(len(free_rows), len(waiting)))
+      done_count = np.asarray(snapshot[0])
+      for s in live:
+        slot_count[s] = int(done_count[1, s])
+      ended = [(s, slot_row.pop(s), slot_count[s]) for s in live if done_count[0, s]]
+      free.extend(s for s, _, _ in ended)
+      finished += len(ended)
       if ended:
-        finished += self._collect(state, ended, slot_row, free, out, left_in_group, G, on_finish)
+        ended_rows = (snapshot, ended)
       if params_source is not None and finished < R:
         got = params_source()
         if got is not None and int(got[0]) != cur_version:
@@ -369,25 +711,13 @@ class Engine:
           if self.refresh_kv and slot_row:
             state = self.refresh(cur_params, state)
             self.stats["refresh"] += 1
-          if current is not None and self.refresh_kv:
-            # Members not yet inserted start from the new params' view of the prompt too.
-            current[1:3] = self.prefill(cur_params, prompts[current[0]]), cur_version
+          # Prompts prefilled but not started are prefilled again under the new params (as if
+          # prefilled now); with `refresh_kv` a started group's remaining members too.
+          again = [e for e in entries if self.refresh_kv or e[3] == 0]
+          if again:
+            prefill(again, cur_params)
+            for e in again:
+              e[2] = cur_version
+    if ended_rows is not None:
+      collect(*ended_rows)
     return out
-
-  def _collect(self, state, ended, slot_row, free, out, left_in_group, G, on_finish) -> int:
-    """Copies finished slots' rows to `out`, frees the slots, reports completed groups."""
-    tokens, logprobs, versions, count = jax.device_get(
-        (state.tokens, state.logprobs, state.versions, state.count))
-    for slot in ended:
-      row = slot_row.pop(slot)
-      n = int(count[slot])
-      out.tokens[row], out.logprobs[row], out.versions[row] = (tokens[slot], logprobs[slot],
-                                                               versions[slot])
-      out.mask[row, :n], out.lengths[row] = True, n
-      free.append(slot)
-      p = row // G
-      left_in_group[p] -= 1
-      if left_in_group[p] == 0 and on_finish is not None:
-        on_finish(p, EngineOutput(*(x[p * G:(p + 1) * G] for x in out)))
-    return len(ended)
-
