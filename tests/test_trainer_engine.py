@@ -50,6 +50,19 @@ def test_continuous_engine_is_refused_with_several_processes():
     config_lib.validate(cfg, 8, task_names=trainer.TASK_NAMES)
 
 
+@pytest.mark.parametrize("compact", [True, False])
+def test_engine_compact_key_reaches_every_engine(compact):
+  # rollout.engine_compact=false leaves the engine one decode program (all slots, whole cache).
+  cfg = _tiny_cfg(rollout__engine="continuous", rollout__engine_compact=compact)
+  parts = trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count(),
+                                                 task_names=trainer.TASK_NAMES))
+  for sample in (parts.sample, parts.sample_val):
+    engine = sample.engine
+    assert engine.compact is compact
+    full = ((engine.num_slots, None),)
+    assert (engine.programs() == [full]) is not compact
+
+
 @pytest.mark.slow
 def test_partial_rollouts_keep_the_forced_lag_for_first_tokens(tmp_path):
   # Lag 1 with partial rollouts: batch b starts on params b - 1 and may switch to params b when
