@@ -236,9 +236,8 @@ class Parts:
         slots = r.engine_slots or rows
         newest = (lambda: self.newest_params()) if partial else None
         return engine_sampler(Engine(self.graphdef, num_slots=slots, max_prompt_len=prompt_len,
-                                     steps_per_dispatch=r.engine_steps, compact=r.engine_compact,
-                                     **common), group_size,
-                              newest)
+                                     steps_per_dispatch=r.engine_steps,
+                                     compact=r.engine_compact, **common), group_size, newest)
       P, G, k = r.num_prompts, r.group_size, cfg.val.samples_per_prompt
       partial = r.partial_rollouts
       self.sample = engine(G, r.max_prompt_len, P * G, partial)

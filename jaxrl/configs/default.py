@@ -116,10 +116,6 @@ def get_config() -> ConfigDict:
   # over a short cache window (short rows next to long ones): same tokens, up to ~7 decode
   # programs to compile instead of 1. False: every dispatch decodes all slots over the whole cache.
   c.rollout.engine_compact = True
-  # continuous: also compile decode programs over fewer slots (when at most half are busy) and
-  # over a short cache window (short rows next to long ones): same tokens, up to ~7 decode
-  # programs to compile instead of 1. False: every dispatch decodes all slots over the whole cache.
-  c.rollout.engine_compact = True
 
   # Dynamic sampling: drop every group whose rewards do not vary (no learning signal) and keep
   # the batch at P groups. Lag 0: whole extra generation batches fill a pending cache; lag > 0:
