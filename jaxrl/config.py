@@ -31,6 +31,7 @@ REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
               "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_REDUCTIONS = ("token_mean", "seq_mean")
+LR_SCHEDULES = ("constant", "cosine", "linear")  # jaxrl.train_step.LR_SCHEDULES
 CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
                "outlier_mask", "dppo_tv")
 WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
@@ -174,6 +175,8 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("train.steps", _ge(0)),
     ("train.learning_rate", _gt(0)),
     ("train.warmup_steps", _ge(0)),
+    ("train.lr_schedule", _one_of(set(LR_SCHEDULES))),
+    ("train.final_lr_frac", _in(0, 1)),
     ("train.b1", _in(0, 1, hi_open=True)),
     ("train.b2", _in(0, 1, hi_open=True)),
     ("train.weight_decay", _ge(0)),

@@ -657,7 +657,8 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   P, G = r.num_prompts, r.group_size
   stop = stop or (lambda: False)
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
+                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                       schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
   step_cfg = rl_step_config(cfg)
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)

@@ -293,6 +293,8 @@ def test_loss_names_match_the_library():
   assert c.KL_ESTIMATORS == L.KL_ESTIMATORS
   assert c.KL_REDUCTIONS == tuple(L.KL_REDUCTIONS)
   assert c.CORRECTIONS == L.CORRECTIONS and c.WEIGHTING == L.WEIGHTING
+  from jaxrl import train_step
+  assert c.LR_SCHEDULES == train_step.LR_SCHEDULES
 
 
 @pytest.mark.parametrize("overrides,key,expected", [

@@ -52,6 +52,7 @@ def get_config():
   c.train.steps = 200
   c.train.learning_rate = 1e-6
   c.train.warmup_steps = 10
+  c.train.lr_schedule = "constant"
   c.train.weight_decay = 0.01
   c.train.b2 = 0.999
   c.train.num_microbatches = 8
