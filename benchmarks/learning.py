@@ -11,6 +11,7 @@ staleness was exactly min(batch_id, L) on every step; then the weakest run's mar
   python benchmarks/learning.py                       # seeds 0-7 x {native, avx2} + lag 2 (~50 min)
   python benchmarks/learning.py --seeds 0 --isas native --lag-seeds ""   # one run
   python benchmarks/learning.py --jobs 2              # two runs at a time (wall times then shared)
+  python benchmarks/learning.py --quick               # smoke test: seed 0, both paths, tiny runs
 
 Runs go one at a time by default so that each wall time is the command's own on this machine.
 """
@@ -30,6 +31,9 @@ import time
 # The acceptance bars of the default recipe (held-out greedy exact match, 1,000 problems).
 BARS = {"after_rl": 0.80, "gain": 0.40, "before_rl_max": 0.45, "wall_s_native": 180.0}
 ISA_FLAGS = {"native": None, "avx2": "--xla_cpu_max_isa=AVX2"}
+QUICK = ["--config.sft.max_steps=20", "--config.train.steps=5", "--config.val.every=5",
+         "--config.task.dev_size=100", "--config.task.val_size=100", "--config.val.batch_size=100",
+         "--config.rollout.num_prompts=8", "--config.checkpoint.every=0"]
 
 
 def log(*a):
@@ -129,9 +133,14 @@ def main():
   ap.add_argument("--lag-seeds", default="0", help="seeds of the lag runs (on every ISA); '' = none")
   ap.add_argument("--jobs", type=int, default=1, help="runs at a time (wall times then shared)")
   ap.add_argument("--out-dir", default="", help="keep run directories here (default: a temp dir)")
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke test: seed 0 and a lag run of 5 RL steps after a 20-step warm-up")
   ap.add_argument("--partial", default="", help="also rewrite this JSON file after every run")
   ap.add_argument("extra", nargs="*", help="more --config.key=value overrides for every run")
   args = ap.parse_args()
+  if args.quick:
+    args.seeds = "0"
+    args.extra = [*QUICK, *args.extra]
   isas = [x for x in args.isas.split(",") if x]
   bad = [x for x in isas if x not in ISA_FLAGS]
   if bad:

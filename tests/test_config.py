@@ -179,7 +179,8 @@ def test_minus_one_not_resolvable():
 
 def test_rl_batch_not_divisible_by_microbatches():
   cfg = get_config()
-  cfg.train.num_microbatches = 3  # 32 * 8 = 256
+  cfg.rollout.num_prompts = 32
+  cfg.train.num_microbatches = 3  # 32 * 8 = 256 rows, not a multiple of 3
   msg = _one(cfg, "train.num_microbatches")
   assert "config.rollout.num_prompts" in msg and "config.rollout.group_size" in msg
   assert "256" in msg

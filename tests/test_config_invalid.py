@@ -81,8 +81,8 @@ CASES = [
     # train
     ("micro_batches_do_not_divide_batch", ["--config.train.num_microbatches=3"],
      ["train.num_microbatches"], "must divide the RL batch"),
-    ("micro_batch_vs_shards", ["--config.mesh.data=8", "--config.train.num_microbatches=64"],
-     ["train.num_microbatches"], "256 / 64 = 4) must be divisible by config.mesh.data"),
+    ("micro_batch_vs_shards", ["--config.mesh.data=8", "--config.train.num_microbatches=256"],
+     ["train.num_microbatches"], "1024 / 256 = 4) must be divisible by config.mesh.data"),
     ("adam_b2_one", ["--config.train.b2=1.0"], ["train.b2"], "in [0, 1)"),
     ("float_for_int", ["--config.train.steps=1.5"], ["train.steps"], "expected int"),
     ("initials_suggest_key", ["--config.train.lr=1e-3"], ["train.lr"],

@@ -130,7 +130,8 @@ def test_tensor_parallel_rollout_mesh_samples_the_same_tokens():
 
 # -- end to end (slow) ---------------------------------------------------------------------------
 
-ARGS = ["--config.task.num_digits=1", "--config.task.dev_size=16", "--config.task.val_size=32",
+ARGS = ["--config.task.num_digits=1", "--config.rollout.num_prompts=32",
+        "--config.task.dev_size=16", "--config.task.val_size=32",
         "--config.val.batch_size=32", "--config.sft.max_steps=20", "--config.sft.eval_every=10",
         "--config.sft.batch_size=64", "--config.train.steps=4", "--config.val.every=2",
         "--config.rollout.lag=1", "--config.mesh.data=4"]

@@ -22,7 +22,8 @@ import pytest
 from processes import free_port
 
 STEPS = 3
-ARGS = ["--config.task.num_digits=1", "--config.task.dev_size=16", "--config.task.val_size=32",
+ARGS = ["--config.task.num_digits=1", "--config.rollout.num_prompts=32",
+        "--config.task.dev_size=16", "--config.task.val_size=32",
         "--config.val.batch_size=32", "--config.sft.max_steps=20", "--config.sft.eval_every=10",
         "--config.sft.batch_size=64", f"--config.train.steps={STEPS}", "--config.val.every=3"]
 # 8 row shards: data 4 x fsdp 2, so parameters are sharded too.

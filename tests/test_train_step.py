@@ -10,7 +10,8 @@ import numpy as np
 from conftest import tiny_model_config
 from jaxrl import losses, parallel
 from jaxrl.models import init_model
-from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, shard_params
+from jaxrl.train_step import (StepConfig, build_train_step, learning_rate_schedule, make_optimizer,
+                              shard_params)
 from jaxrl.types import TrainBatch
 
 B, LP, N = 16, 6, 5
@@ -145,6 +146,27 @@ def test_learning_rate_warmup_starts_from_zero():
   upd, state = opt.update(grads, state, params)
   # Adam's second step with a constant gradient: m/sqrt(v) = sign(g) (bias-corrected), x lr 1e-3.
   np.testing.assert_allclose(np.asarray(upd["w"]), [-1e-3, 1e-3, -1e-3], rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule,mid", [
+    # lr 1e-3, ramp 10, end at update 110 with final_frac 0.1 (end rate 1e-4). Halfway through
+    # the decay (update 60): linear 1e-3 + (1e-4 - 1e-3) / 2 = 5.5e-4; cosine
+    # 1e-4 + (1e-3 - 1e-4) (1 + cos(pi / 2)) / 2 = 5.5e-4 too; at a quarter (update 35) they differ:
+    # linear 1e-3 - 0.25 * 9e-4 = 7.75e-4, cosine 1e-4 + 9e-4 (1 + cos(pi / 4)) / 2 = 8.682e-4.
+    ("linear", 7.75e-4), ("cosine", 8.682e-4)])
+def test_learning_rate_decays_after_the_ramp_to_the_final_fraction(schedule, mid):
+  lr = learning_rate_schedule(1e-3, warmup_steps=10, schedule=schedule, total_steps=110,
+                              final_frac=0.1)
+  at = lambda n: float(lr(n))
+  assert at(0) == 0.0 and abs(at(5) - 5e-4) < 1e-9  # the ramp is unchanged
+  np.testing.assert_allclose([at(10), at(35), at(60), at(110), at(500)],
+                             [1e-3, mid, 5.5e-4, 1e-4, 1e-4], rtol=1e-4)
+  # "constant" keeps the old behaviour: the ramp, then the full rate for good.
+  const = learning_rate_schedule(1e-3, warmup_steps=10, schedule="constant", total_steps=110)
+  np.testing.assert_allclose([float(const(5)), float(const(10)), float(const(500))],
+                             [5e-4, 1e-3, 1e-3], rtol=1e-6)
+  with pytest.raises(ValueError, match="unknown learning-rate schedule 'step'"):
+    learning_rate_schedule(1e-3, schedule="step")
 
 
 # Every term on: corrections, sequence masking, rollout KL, reference KL, entropy bonus.

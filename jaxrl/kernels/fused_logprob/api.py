@@ -33,8 +33,10 @@ class FusedLogprob(NamedTuple):
 
 
 def default_impl() -> str:
-  """`pallas` where it compiles to a real kernel (TPU, GPU); `xla` on CPU."""
-  return "xla" if jax.default_backend() == "cpu" else "pallas"
+  """`xla` on every backend: the implementation that has run on each of them. `pallas` is opt-in
+  (`impl="pallas"`, `loss.logprob_impl=pallas`) until its kernels have run outside interpret
+  mode on the backend in question."""
+  return "xla"
 
 
 def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *,
