@@ -7,6 +7,8 @@ for a second machine), plus the `--config.rollout.lag=2` run on each path. Print
 on stdout (progress goes to stderr): per run the held-out accuracy before and after RL, the gain,
 the warm-up's length, the wall time of the whole command, and for lag runs whether first-token
 staleness was exactly min(batch_id, L) on every step; then the weakest run's margin over each bar.
+`learning_bars_met` judges accuracy, gain, the before-RL ceiling and staleness; the wall-time bar
+is reported as a margin only (it depends on what else the machine is doing).
 
   python benchmarks/learning.py                       # seeds 0-7 x {native, avx2} + lag 2 (~50 min)
   python benchmarks/learning.py --seeds 0 --isas native --lag-seeds ""   # one run
@@ -121,7 +123,7 @@ def summarize(runs: list[dict]) -> dict:
       r["after_rl"] >= BARS["after_rl"] and r["gain"] >= BARS["gain"]
       and r["before_rl"] <= BARS["before_rl_max"] and r.get("staleness_exact", True)
       for r in ok)
-  return {"weakest": weakest, "all_bars_met": passed,
+  return {"weakest": weakest, "learning_bars_met": passed,
           "failed_runs": [r["run"] for r in runs if r["returncode"] != 0]}
 
 
