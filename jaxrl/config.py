@@ -449,7 +449,7 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
         "driver reads every slot's state, which several processes do not each hold")
 
 
-def _add_lengths(num_digits: int) -> tuple[int, int, int]:
+def add_lengths(num_digits: int) -> tuple[int, int, int]:
   """Task 'add' with n-digit operands: (prompt tokens, answer tokens, number of problems).
 
   Spelled out from `jaxrl.envs.arithmetic` (prompt "07+35=", answer up to n + 1 digits then
@@ -493,7 +493,7 @@ def _check_task(good: dict[str, Any], problems: list[str], tasks_known: bool) ->
                     "validation rows from it)")
   if "add" in names and "task.num_digits" in good:
     n = good["task.num_digits"]
-    prompt_len, answer_len, total = _add_lengths(n)
+    prompt_len, answer_len, total = add_lengths(n)
     if "rollout.max_prompt_len" in good and good["rollout.max_prompt_len"] < prompt_len:
       problems.append(f"{p}rollout.max_prompt_len: task 'add' prompts have {prompt_len} tokens "
                       f"with {p}task.num_digits = {n}, got {good['rollout.max_prompt_len']}")

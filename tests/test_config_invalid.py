@@ -8,7 +8,7 @@ key, or a second check that fires with it, fails the case too.
 
 import pytest
 
-from jaxrl.config import ConfigError, _add_lengths, parse_overrides, validate
+from jaxrl.config import ConfigError, add_lengths, parse_overrides, validate
 from jaxrl.configs.default import get_config
 from jaxrl.envs import AdditionTask
 from test_cli import _assert_failed_before_compiling, _train
@@ -171,7 +171,7 @@ def test_invalid_config_names_exactly_its_keys(overrides, keys, reason):
 def test_add_lengths_match_the_task():
   # The config spells out task 'add''s lengths (it must not build the task); they must not drift.
   for n in (1, 2, 3):
-    prompt_len, answer_len, total = _add_lengths(n)
+    prompt_len, answer_len, total = add_lengths(n)
     task = AdditionTask(num_digits=n, dev_size=1, val_size=1)
     largest = task.problem(total - 1)  # 9...9 + 9...9: the longest answer
     assert {len(task.tokenizer.encode(task.problem(i).prompt)) for i in (0, total - 1)} == {
