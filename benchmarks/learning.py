@@ -14,6 +14,7 @@ is reported as a margin only (it depends on what else the machine is doing).
   python benchmarks/learning.py --seeds 0 --isas native --lag-seeds ""   # one run
   python benchmarks/learning.py --jobs 2              # two runs at a time (wall times then shared)
   python benchmarks/learning.py --quick               # smoke test: seed 0, both paths, tiny runs
+  python benchmarks/learning.py --seeds 0 -- --config.train.steps=300   # overrides after --
 
 Runs go one at a time by default so that each wall time is the command's own on this machine.
 """
@@ -138,7 +139,8 @@ def main():
   ap.add_argument("--quick", action="store_true",
                   help="smoke test: seed 0 and a lag run of 5 RL steps after a 20-step warm-up")
   ap.add_argument("--partial", default="", help="also rewrite this JSON file after every run")
-  ap.add_argument("extra", nargs="*", help="more --config.key=value overrides for every run")
+  ap.add_argument("extra", nargs="*",
+                  help="more --config.key=value overrides for every run, after `--`")
   args = ap.parse_args()
   if args.quick:
     args.seeds = "0"
@@ -155,6 +157,8 @@ def main():
   root = args.out_dir or tempfile.mkdtemp(prefix="jaxrl-learning-")
   os.makedirs(root, exist_ok=True)
   log(f"{len(plan)} runs, {args.jobs} at a time, run directories in {root}")
+  if not plan:
+    ap.error("nothing to run: --seeds and --lag-seeds are both empty")
   runs = []
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:

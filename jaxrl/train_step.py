@@ -73,7 +73,10 @@ def learning_rate_schedule(learning_rate: float, *, warmup_steps: int = 0,
   """Linear warm-up from 0 over `warmup_steps`, then `schedule` until `total_steps` updates.
 
   "constant" holds `learning_rate`; "cosine" and "linear" decay it to
-  `final_frac * learning_rate` at update `total_steps` (and hold it there). A decay to a small
+  `final_frac * learning_rate` at update `total_steps` (and hold it there); with
+  `total_steps <= warmup_steps` there is nothing left to decay over and the rate stays constant.
+  The position is the optimizer's own update count (in its state), so a resumed run continues
+  the schedule exactly; skipped (non-finite) updates do not advance it. A decay to a small
   rate at the end of RL makes the final policy the average of the last updates' direction rather
   than one noisy step's: the held-out accuracy the run ends on stops jumping between evals.
   """
