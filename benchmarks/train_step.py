@@ -7,6 +7,7 @@ completion tokens/s (B x N, the tokens the loss is taken over) and sequence toke
 random, group ids are arange(B) // 8, so every step does the same work.
 
   PYTHONPATH=. python benchmarks/train_step.py [--cases default,long] [--steps 10]
+  PYTHONPATH=. python benchmarks/train_step.py --cases default --microbatches 1,8
   PYTHONPATH=. python benchmarks/train_step.py --quick   # smoke test, tiny sizes
 """
 
@@ -72,16 +73,18 @@ def random_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
   )
 
 
-def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | None) -> dict:
+def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | None,
+             microbatches: int = 1) -> dict:
   B, Lp, N = case.rows, case.prompt_len, case.new_tokens
-  log(f"[{case.name}] B={B} Lp={Lp} N={N}")
+  log(f"[{case.name}] B={B} Lp={Lp} N={N} micro-batches={microbatches}")
   mesh = make_mesh(1, 1, 1)
   graphdef, params = init_model(model_cfg, seed=0)
   t = cfg.train
   extra = {"warmup_steps": t.warmup_steps} if "warmup_steps" in t else {}  # as the trainer
   optimizer = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, **extra)
-  step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=1, logprob_impl=impl)
+  step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=microbatches,
+                                 logprob_impl=impl)
   step, init_state = build_train_step(graphdef, optimizer, step_cfg, mesh, params)
   state = init_state(params)
   batch = to_rows(random_batch(case, model_cfg.vocab_size), mesh)
@@ -104,8 +107,11 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | No
   log(f"[{case.name}] steps: " + " ".join(f"{x * 1e3:.1f}ms" for x in times))
   med = statistics.median(times)
   comp, seq = B * N, B * (Lp + N)
+  temp = step.jitted.lower(state, batch).compile().memory_analysis()
   return {
       "rows": B,
+      "microbatches": microbatches,
+      "xla_temp_bytes": None if temp is None else int(temp.temp_size_in_bytes),
       "prompt_len": Lp,
       "new_tokens": N,
       "completion_tokens_per_step": comp,
@@ -129,7 +135,15 @@ def main():
   ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
   ap.add_argument("--logprob-impl", default="auto",
                   help="fused log-prob kernel: auto (the trainer's choice), reference, xla")
+  ap.add_argument("--microbatches", default="1",
+                  help="comma list of train.num_microbatches to time, e.g. 1,8 (each divides B)")
   args = ap.parse_args()
+  try:
+    counts = [int(m) for m in args.microbatches.split(",") if m.strip()]
+  except ValueError:
+    ap.error(f"--microbatches must be integers; got {args.microbatches!r}")
+  if not counts or min(counts) < 1:
+    ap.error("--microbatches needs counts >= 1")
   if args.steps < 1:
     ap.error("--steps must be >= 1")
   t_start = time.perf_counter()
@@ -154,7 +168,7 @@ def main():
           "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
           "mlp_dim", "tie_embeddings", "scan_layers", "dtype")},
       "step_config": {"loss": "rl (default objective: ppo, token_mean)",
-                      "logprob_impl": args.logprob_impl, "num_microbatches": 1, "optimizer": "clip + adamw",
+                      "logprob_impl": args.logprob_impl, "optimizer": "clip + adamw",
                       "learning_rate": cfg.train.learning_rate,
                       "warmup_steps": cfg.train.get("warmup_steps", 0),
                       "group_size": GROUP, "mesh": [1, 1, 1]},
@@ -163,7 +177,11 @@ def main():
   for n in names:
     c = cases[n]
     impl = None if args.logprob_impl == "auto" else args.logprob_impl
-    report["cases"][c.name] = run_case(c, model_cfg, cfg, args.steps, impl)
+    for m in counts:
+      if c.rows % m:
+        ap.error(f"--microbatches {m} does not divide the {c.name} case's {c.rows} rows")
+      key = c.name if counts == [1] else f"{c.name}, micro-batches {m}"
+      report["cases"][key] = run_case(c, model_cfg, cfg, args.steps, impl, m)
   report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
   print(json.dumps(report, indent=2))
 

@@ -181,7 +181,8 @@ _RULES: list[tuple[str, tuple[Callable[[Any], bool], str]]] = [
     ("train.b2", _in(0, 1, hi_open=True)),
     ("train.weight_decay", _ge(0)),
     ("train.grad_clip", _gt(0)),
-    ("train.num_microbatches", _ge(1)),
+    ("train.num_microbatches", _ge(0)),
+    ("train.microbatch_tokens", _ge(1)),
     ("advantage.estimator", _one_of(set(ADVANTAGE_ESTIMATORS))),
     ("advantage.eps", _ge(0)),
     ("advantage.clip", _ge(0)),
@@ -449,6 +450,40 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
         "driver reads every slot's state, which several processes do not each hold")
 
 
+def resolve_microbatches(num_microbatches: int, rows: int, seq_len: int, shards: int,
+                         token_budget: int) -> int:
+  """`train.num_microbatches` as the train step runs it.
+
+  `>= 1` is itself. `0` (auto) is the fewest micro-batches `m` that divide the rows each batch
+  shard holds (`rows / shards`) and keep one device's micro-batch, `rows / shards / m` rows of
+  `seq_len` tokens, within `token_budget` (`train.microbatch_tokens`); one row per shard when a
+  single row is over it. The gradient is the whole batch's for any `m`; what `m` changes is the
+  activation memory and, on CPU, speed: XLA's scratch for a large step is mapped and page-faulted
+  in afresh on every call, a small one stays in the heap and in cache (the default's 1,024 rows
+  of 10 tokens run ~2x faster as 8 micro-batches; benchmarks/README.md).
+
+  >>> resolve_microbatches(0, rows=1024, seq_len=10, shards=1, token_budget=2048)
+  8
+  >>> resolve_microbatches(0, rows=16, seq_len=10, shards=1, token_budget=2048)
+  1
+  """
+  if num_microbatches > 0:
+    return num_microbatches
+  per_shard = max(rows // max(shards, 1), 1)
+  for m in range(1, per_shard + 1):
+    if per_shard % m == 0 and (per_shard // m) * seq_len <= token_budget:
+      return m
+  return per_shard
+
+
+def run_microbatches(cfg, shards: int) -> int:
+  """`resolve_microbatches` for a run config whose RL batch is split over `shards` devices."""
+  r, t = cfg.rollout, cfg.train
+  return resolve_microbatches(t.num_microbatches, r.num_prompts * r.group_size,
+                              r.max_prompt_len + (r.max_total_tokens or r.max_new_tokens),
+                              shards, t.microbatch_tokens)
+
+
 def add_lengths(num_digits: int) -> tuple[int, int, int]:
   """Task 'add' with n-digit operands: (prompt tokens, answer tokens, number of problems).
 
@@ -639,20 +674,28 @@ def validate(cfg: ConfigDict, num_devices: int,
                                    rollout_tensor=good["mesh.rollout_tensor"])
   batch_shards = f"{_PREFIX}mesh.data * {_PREFIX}mesh.fsdp"
 
-  if have("rollout.num_prompts", "rollout.group_size", "train.num_microbatches"):
+  if have("rollout.num_prompts", "rollout.group_size", "train.num_microbatches",
+          "train.microbatch_tokens", "rollout.max_prompt_len", "rollout.max_new_tokens",
+          "rollout.max_total_tokens"):
     p, g, m = (good[k] for k in
                ("rollout.num_prompts", "rollout.group_size", "train.num_microbatches"))
     rl_batch = f"{_PREFIX}rollout.num_prompts * {_PREFIX}rollout.group_size"
-    if (p * g) % m:
+    shards = mesh.data * mesh.fsdp if mesh else 1
+    if m == 0:  # auto: always a divisor of the rows each shard holds
+      if (p * g) % shards:
+        problems.append(
+            f"{_PREFIX}rollout.num_prompts: the RL batch {rl_batch} = {p} * {g} = {p * g} must "
+            f"be divisible by {batch_shards} = {shards}, since the batch axis is sharded over "
+            "both")
+    elif (p * g) % m:
       problems.append(
           f"{_PREFIX}train.num_microbatches: must divide the RL batch {rl_batch} "
           f"= {p} * {g} = {p * g}, got {m}")
-    elif mesh and (p * g // m) % (mesh.data * mesh.fsdp):
+    elif mesh and (p * g // m) % shards:
       problems.append(
           f"{_PREFIX}train.num_microbatches: each micro-batch ({rl_batch} / "
           f"{_PREFIX}train.num_microbatches = {p * g} / {m} = {p * g // m}) must be divisible "
-          f"by {batch_shards} = {mesh.data * mesh.fsdp}, since the batch axis is sharded "
-          "over both")
+          f"by {batch_shards} = {shards}, since the batch axis is sharded over both")
   for key in ("sft.batch_size", "val.batch_size"):
     if mesh and have(key) and good[key] % (mesh.data * mesh.fsdp):
       problems.append(

@@ -369,8 +369,9 @@ def _logprob_impl(cfg) -> str | None:
   return None if cfg.loss.logprob_impl == "auto" else cfg.loss.logprob_impl
 
 
-def rl_step_config(cfg) -> StepConfig:
-  """The RL train step's static settings from a validated run config."""
+def rl_step_config(cfg, shards: int = 1) -> StepConfig:
+  """The RL train step's static settings from a validated run config whose batch rows are split
+  over `shards` devices (mesh data x fsdp; it sizes auto micro-batching)."""
   lo = cfg.loss
   bands = {f"{b}_{side}": lo[f"{b}_{side}"] for b in
            ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
@@ -391,7 +392,7 @@ def rl_step_config(cfg) -> StepConfig:
       seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
   a = cfg.advantage
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
-                    adv_clip=a.clip or None, num_microbatches=cfg.train.num_microbatches,
+                    adv_clip=a.clip or None, num_microbatches=config_lib.run_microbatches(cfg, shards),
                     logprob_impl=_logprob_impl(cfg))
 
 
@@ -659,7 +660,7 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                        schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
-  step_cfg = rl_step_config(cfg)
+  step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
   state = init_state(parts.params)
   L = r.lag

@@ -8,8 +8,8 @@ import sys
 import pytest
 from ml_collections import ConfigDict
 
-from jaxrl.config import (ConfigError, MeshShape, distributed_settings, parse_overrides, to_dict,
-                          validate)
+from jaxrl.config import (ConfigError, MeshShape, distributed_settings, parse_overrides,
+                          resolve_microbatches, run_microbatches, to_dict, validate)
 from jaxrl.configs.default import get_config
 
 
@@ -194,6 +194,40 @@ def test_microbatch_not_divisible_by_batch_shards():
   cfg.sft.batch_size = cfg.val.batch_size = 16
   msg = _one(cfg, "train.num_microbatches", num_devices=16)
   assert "config.mesh.data * config.mesh.fsdp = 16" in msg
+
+
+def test_auto_microbatches_keep_each_device_within_the_token_budget():
+  # The default: 128 x 8 = 1024 rows of 6 + 4 = 10 tokens, budget 2048: 1024 / m * 10 <= 2048
+  # needs m >= 5.1, and the smallest divisor of 1024 from there is 8 (128 rows, 1280 tokens).
+  cfg = get_config()
+  assert cfg.train.num_microbatches == 0 and cfg.train.microbatch_tokens == 2048
+  assert run_microbatches(cfg, shards=1) == 8
+  # Over 8 batch shards each device holds 128 rows (1280 tokens): one micro-batch.
+  assert run_microbatches(cfg, shards=8) == 1
+  # A small batch fits at once; an explicit count is taken as it is.
+  assert resolve_microbatches(0, rows=16, seq_len=10, shards=1, token_budget=2048) == 1
+  assert resolve_microbatches(3, rows=1024, seq_len=10, shards=1, token_budget=2048) == 3
+  # 96 rows per shard of 100 tokens, budget 1000: 10 rows at most, so m = 12 (8 rows); m = 10
+  # would fit the budget but does not divide 96.
+  assert resolve_microbatches(0, rows=192, seq_len=100, shards=2, token_budget=1000) == 12
+  # One row over the budget: one row per shard per micro-batch.
+  assert resolve_microbatches(0, rows=64, seq_len=5000, shards=4, token_budget=2048) == 16
+  # The completion budget counts all turns when max_total_tokens is set.
+  cfg.rollout.max_total_tokens = 14  # 1024 x (6 + 14) = 20 tokens a row: 1024 / m <= 102
+  assert run_microbatches(cfg, shards=1) == 16
+
+
+def test_auto_microbatches_need_a_batch_the_shards_divide():
+  cfg = get_config()
+  cfg.rollout.num_prompts, cfg.rollout.group_size = 3, 2  # 6 rows over 4 shards
+  cfg.mesh.data = 4
+  cfg.sft.batch_size = cfg.val.batch_size = 16
+  msg = _one(cfg, "rollout.num_prompts", num_devices=4)
+  assert "6 must be divisible by config.mesh.data * config.mesh.fsdp = 4" in msg
+  cfg.train.num_microbatches, cfg.rollout.num_prompts = 0, 4  # 8 rows: fine
+  validate(cfg, num_devices=4)
+  cfg.train.microbatch_tokens = 0
+  assert "train.microbatch_tokens" in _one(cfg, "train.microbatch_tokens", num_devices=4)
 
 
 @pytest.mark.parametrize("key", ["sft.batch_size", "val.batch_size"])

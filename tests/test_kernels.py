@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxrl.kernels import FusedLogprob, default_impl, fused_logprob
+from jaxrl.kernels import FusedLogprob, default_impl, fused_logprob, pallas_unavailable
 from jaxrl.kernels.fused_logprob import pallas as pallas_impl
 from jaxrl.kernels.fused_logprob import reference as reference_impl
 from jaxrl.kernels.fused_logprob.common import effective_temperature
@@ -288,3 +288,21 @@ def test_api_defaults_and_errors():
     fused_logprob(h, w, targets, rollout_logprobs=jnp.zeros(4), estimator="k4")
   with pytest.raises(ValueError, match="targets"):
     fused_logprob(h, w, targets[:3])
+
+
+def test_pallas_falls_back_to_xla_where_it_does_not_lower():
+  # CPU has no compiled Pallas backend: asking for the compiled kernels (interpret=False) is the
+  # case of a GPU/TPU where they fail to lower. The call runs `xla` (same numbers) and says so
+  # once, also when the request comes from inside a jitted function.
+  reason = pallas_unavailable("cpu")
+  assert reason is not None and "cpu" in reason
+  h, w, targets, temperature, *_ = make_inputs(n=8)
+  want = fused_logprob(h, w, targets, temperature=temperature, impl="xla", chunk_size=CHUNK)
+  with pytest.warns(RuntimeWarning, match="pallas fused_logprob kernels do not lower on cpu"):
+    got = jax.jit(lambda h: fused_logprob(h, w, targets, temperature=temperature, impl="pallas",
+                                          chunk_size=CHUNK, interpret=False).logp)(h)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want.logp))
+  # Interpret mode is not a fallback case: it runs the Pallas kernels themselves.
+  interp = fused_logprob(h, w, targets, temperature=temperature, impl="pallas",
+                         chunk_size=CHUNK, interpret=True)
+  assert rel_err(interp.logp, want.logp) < 1e-5

@@ -138,7 +138,12 @@ def get_config() -> ConfigDict:
   c.train.b2 = 0.98
   c.train.weight_decay = 0.0
   c.train.grad_clip = 1.0  # global-norm clip
-  c.train.num_microbatches = 1  # gradient accumulation over a fixed number of micro-batches
+  # Gradient accumulation: the step sums the gradients of this many micro-batches (the gradient is
+  # the whole batch's either way). 0 = auto: the fewest that keep each device's micro-batch within
+  # microbatch_tokens tokens (rows x (max_prompt_len + completion budget)); here 1,024 rows of 10
+  # tokens -> 8 micro-batches, ~2x faster on CPU than one (jaxrl.config.resolve_microbatches).
+  c.train.num_microbatches = 0
+  c.train.microbatch_tokens = 2048
   # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
   c.train.max_skipped_updates = 0
 

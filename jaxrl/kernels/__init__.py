@@ -6,6 +6,6 @@
 """
 
 from jaxrl.kernels.fused_logprob import (IMPLEMENTATIONS, FusedLogprob, default_impl,
-                                         fused_logprob)
+                                         fused_logprob, pallas_unavailable)
 
-__all__ = ["IMPLEMENTATIONS", "FusedLogprob", "default_impl", "fused_logprob"]
+__all__ = ["IMPLEMENTATIONS", "FusedLogprob", "default_impl", "fused_logprob", "pallas_unavailable"]

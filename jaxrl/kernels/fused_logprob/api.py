@@ -11,6 +11,8 @@ gradient reaches `hidden` / `unembedding` through the cotangent of `logp`.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -34,9 +36,60 @@ class FusedLogprob(NamedTuple):
 
 def default_impl() -> str:
   """`xla` on every backend: the implementation that has run on each of them. `pallas` is opt-in
-  (`impl="pallas"`, `loss.logprob_impl=pallas`) until its kernels have run outside interpret
-  mode on the backend in question."""
+  (`impl="pallas"`, `loss.logprob_impl=pallas`); where its kernels do not lower it falls back to
+  `xla` with a warning (`pallas_unavailable`)."""
   return "xla"
+
+
+@functools.cache
+def pallas_unavailable(backend: str | None = None) -> str | None:
+  """Why the compiled (not interpreted) Pallas kernels cannot run on `backend` (default: JAX's
+  default backend), or None when they lower and compile there.
+
+  Answered once per backend by compiling value+grad of a tiny call (a few seconds at most), so
+  a failure shows up before a real step is traced, not as a lowering error inside it. Measured:
+  Mosaic TPU is the kernels' target; on an H200 with jax 0.11.2 the GPU lowering failed
+  (benchmarks/README.md), and CPU has no compiled Pallas backend at all.
+  """
+  backend = backend or jax.default_backend()
+  n, d, v = 16, 16, 256
+  on = jax.sharding.SingleDeviceSharding(jax.local_devices(backend=backend)[0])
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on) for shape, dtype in
+          (((n, d), jnp.float32), ((d, v), jnp.float32), ((n,), jnp.int32), ((n,), jnp.float32))]
+
+  def loss(h, w, targets, t):
+    logp, entropy = pallas.fused_logprob(h, w, targets, t, with_entropy=True, chunk_size=128,
+                                         interpret=False)
+    return jnp.sum(logp) + jnp.sum(entropy)
+
+  try:
+    jax.jit(jax.value_and_grad(loss, (0, 1))).lower(*args).compile()
+  except Exception as e:  # noqa: BLE001  (any failure to lower or compile means "unavailable")
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first}"[:300]
+  return None
+
+
+_warned: set[str] = set()
+
+
+def _resolve(impl: str | None, interpret) -> str:
+  impl = default_impl() if impl is None else impl
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown fused_logprob impl {impl!r}; expected one of "
+                     f"{tuple(IMPLEMENTATIONS)}")
+  backend = jax.default_backend()
+  compiled = interpret is False or (interpret is None and backend != "cpu")
+  if impl == "pallas" and compiled:
+    reason = pallas_unavailable(backend)
+    if reason is not None:
+      if backend not in _warned:
+        _warned.add(backend)
+        warnings.warn(f"jaxrl: the pallas fused_logprob kernels do not lower on {backend} "
+                      f"({reason}); using the xla implementation instead", RuntimeWarning,
+                      stacklevel=3)
+      return "xla"
+  return impl
 
 
 def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *,
@@ -57,6 +110,8 @@ def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array,
     estimator: KL estimator name (`k1`, `k2`, `k3`, `abs`; see `jaxrl.losses.kl`).
     with_entropy: also return the entropy of `softmax(z)`.
     impl: `reference` (dense), `xla` (vocabulary-chunked), `pallas`; None = `default_impl()`.
+      `pallas` compiled on a backend where it does not lower (`pallas_unavailable`) runs `xla`
+      instead, with a one-time warning.
     chunk_size: vocabulary chunk (`xla`) / block (`pallas`) width; None = the impl's default.
     interpret: Pallas interpret mode (True or `pltpu.InterpretParams()`); None = interpret on
       CPU only, the only way Pallas runs there.
@@ -67,10 +122,7 @@ def fused_logprob(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array,
   Differentiable w.r.t. `hidden` and `unembedding`; gradients at masked positions are exactly 0
   when the caller masks with `where(mask, x, 0)`.
   """
-  impl = default_impl() if impl is None else impl
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown fused_logprob impl {impl!r}; expected one of "
-                     f"{tuple(IMPLEMENTATIONS)}")
+  impl = _resolve(impl, interpret)
   if hidden.ndim != 2 or unembedding.ndim != 2 or hidden.shape[1] != unembedding.shape[0]:
     raise ValueError(f"expected hidden [N, D] and unembedding [D, V]; got {hidden.shape} and "
                      f"{unembedding.shape} (vmap over leading axes)")
