@@ -14,6 +14,13 @@ No group count is static: ids are densified inside, so any ints work under jit.
 `grpo` gives exactly 0 to a zero-variance group (also with eps = 0, where 0/0 would be NaN) and
 to a group with `n <= ddof` members. `rloo` with G members equals `G / (G - 1)` times
 `dr_grpo`. Clipping (`clip_advantages`) is applied after the estimator.
+
+References:
+- `grpo`: Shao et al. 2024, DeepSeekMath (section 4.1), https://arxiv.org/abs/2402.03300.
+- `dr_grpo`: Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective,
+  https://arxiv.org/abs/2503.20783.
+- `rloo`: Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free! (ICLR 2019
+  workshop); for LLMs, Ahmadian et al. 2024, Back to Basics, https://arxiv.org/abs/2402.14740.
 """
 
 from __future__ import annotations

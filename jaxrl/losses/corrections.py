@@ -24,6 +24,14 @@ corrections, so a masked token contributes 0 without renormalising the others.
 |                | `p_gen - p > dppo_delta_low` (`p = exp(lp)`, current params; binary TV)       |
 
 Means over tokens are `sum_t m x / max(1, sum_t m)`. Rows with no valid token are left alone.
+
+References:
+- `token_tis`, `seq_tis`: Yao et al. 2025, Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training, https://fengyao.notion.site/off-policy-rl.
+- `icepop`: Ling Team (Ant Group) 2025, IcePop, https://ringtech.notion.site/icepop, and the
+  Ring-1T report, https://arxiv.org/abs/2510.18855.
+- `dppo_tv`: Qi et al. 2026, Rethinking the Trust Region in LLM Reinforcement Learning (DPPO,
+  binary TV), https://arxiv.org/abs/2602.04879.
 """
 
 from __future__ import annotations

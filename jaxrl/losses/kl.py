@@ -20,6 +20,10 @@ base (probability ratio above e^10) is an outlier that other terms must handle.
 Only the base gets `stop_gradient`: the gradient flows through `lp` (a KL "loss" without a
 gradient is a known upstream bug). Masking is `where(mask, x, 0)` so NaN/inf at masked positions
 (e.g. placeholder log-probs) never reach a sum or a gradient.
+
+References: the k1/k2/k3 estimators are Schulman 2020, Approximating KL Divergence,
+http://joschu.net/blog/kl-approx.html; k3 as GRPO's KL term: Shao et al. 2024,
+https://arxiv.org/abs/2402.03300 (eq. 4).
 """
 
 from __future__ import annotations

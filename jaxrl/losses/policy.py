@@ -19,6 +19,17 @@ of per-token arrays; a reduction (`jaxrl.losses.reductions`) turns the loss into
 With one update per batch (`lp_old = sg(lp)`), `r = 1` and `ppo`, `gspo` and `reinforce` all
 have the gradient `-A grad lp`. Values at masked positions are sanitised with `where`, so a NaN
 in a masked `lp_old` never reaches a value or a gradient.
+
+References:
+- `ppo`: Schulman et al. 2017, Proximal Policy Optimization Algorithms,
+  https://arxiv.org/abs/1707.06347. Asymmetric bounds (`eps_high > eps_low`, "clip-higher"):
+  DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476. Dual clip: Ye et al. 2020, Mastering
+  Complex Control in MOBA Games with Deep Reinforcement Learning, https://arxiv.org/abs/1912.09729.
+- `gspo`: Zheng et al. 2025, Group Sequence Policy Optimization,
+  https://arxiv.org/abs/2507.18071.
+- `cispo`: MiniMax 2025, MiniMax-M1 (section 3), https://arxiv.org/abs/2506.13585.
+- `reinforce`: Williams 1992, Simple statistical gradient-following algorithms for connectionist
+  reinforcement learning, Machine Learning 8.
 """
 
 from __future__ import annotations

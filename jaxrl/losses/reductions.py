@@ -13,6 +13,11 @@ count (corrections zero masked tokens without changing `m`).
 | `seq_mean_token_sum`      | `sum_it m x`                          | rows with `n_i > 0`       |
 | `seq_mean_token_sum_norm` | `sum_it m x / norm_len` (a constant,  | rows with `n_i > 0`       |
 |                           | default N; Dr. GRPO)                  |                           |
+
+References: `token_mean` is DAPO's token-level loss (Yu et al. 2025,
+https://arxiv.org/abs/2503.14476); `seq_mean_token_mean` is GRPO's original per-sequence mean
+(Shao et al. 2024, https://arxiv.org/abs/2402.03300); `seq_mean_token_sum_norm` is Dr. GRPO's
+constant normaliser (Liu et al. 2025, https://arxiv.org/abs/2503.20783).
 """
 
 from __future__ import annotations
