@@ -76,8 +76,9 @@ def _decode_glyph(hex_rows: str) -> np.ndarray:
   return out
 
 
-_FONT: dict[str, np.ndarray] = {ch: _decode_glyph(h) for ch, h in _GLYPHS.items()}
-_BOX = _decode_glyph(_UNKNOWN_GLYPH)
+# The 5 x 9 bitmap font (True = ink) by character, and the box drawn for any other character.
+FONT: dict[str, np.ndarray] = {ch: _decode_glyph(h) for ch, h in _GLYPHS.items()}
+BOX_GLYPH = _decode_glyph(_UNKNOWN_GLYPH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,11 +171,11 @@ def read_png(path: str) -> np.ndarray:
 # Text
 
 
-def _text_mask(text: str, scale: int = 1) -> np.ndarray:
+def text_mask(text: str, scale: int = 1) -> np.ndarray:
   """Boolean [9 * scale, width] bitmap of `text`; row 6 * scale is the last row above baseline."""
   if not text:
     return np.zeros((_CELL_H * scale, 0), dtype=bool)
-  glyphs = [np.pad(_FONT.get(ch, _BOX), ((0, 0), (0, 1))) for ch in text]
+  glyphs = [np.pad(FONT.get(ch, BOX_GLYPH), ((0, 0), (0, 1))) for ch in text]
   mask = np.concatenate(glyphs, axis=1)[:, :-1]
   if scale > 1:
     mask = mask.repeat(scale, axis=0).repeat(scale, axis=1)
@@ -202,14 +203,14 @@ def _draw_text(
   """Draws `text` with its cell's top row at `top`; `x` is its left, centre or right edge."""
   width = _text_width(text, scale)
   left = {"left": x, "center": x - width // 2, "right": x - width}[align]
-  _blit(img, _text_mask(text, scale), top, left, color)
+  _blit(img, text_mask(text, scale), top, left, color)
 
 
 # ---------------------------------------------------------------------------------------------
 # Axes
 
 
-def _nice_ticks(lo: float, hi: float, target: int, expand: bool) -> tuple[float, float, np.ndarray]:
+def nice_ticks(lo: float, hi: float, target: int, expand: bool) -> tuple[float, float, np.ndarray]:
   """Round tick values (1, 2 or 5 x 10^k apart) for [lo, hi], about `target` of them.
 
   With `expand` the range grows to the enclosing ticks (auto ranges end on a labelled value);
@@ -244,7 +245,8 @@ def _nice_ticks(lo: float, hi: float, target: int, expand: bool) -> tuple[float,
   return lo, hi, ticks
 
 
-def _tick_labels(ticks: np.ndarray) -> list[str]:
+def tick_labels(ticks: np.ndarray) -> list[str]:
+  """Axis labels for `ticks`: as few digits as their spacing needs, scientific when large."""
   step = float(np.min(np.diff(ticks))) if len(ticks) > 1 else 1.0
   big = float(np.max(np.abs(ticks)))
   if step <= 0:
@@ -375,13 +377,13 @@ def line_chart_png(
   x_lo, x_hi = _padded_range([x[m] for x, m in zip(xs, drawn)])
   if y_range is None:
     y_lo, y_hi = _padded_range([y[m] for y, m in zip(ys, drawn)])
-    y_lo, y_hi, y_ticks = _nice_ticks(y_lo, y_hi, 5, expand=True)
+    y_lo, y_hi, y_ticks = nice_ticks(y_lo, y_hi, 5, expand=True)
   else:
     y_lo, y_hi = float(y_range[0]), float(y_range[1])
     if not (math.isfinite(y_lo) and math.isfinite(y_hi) and y_hi > y_lo):
       raise ValueError(f"y_range must be finite with lo < hi, got {y_range}")
-    _, _, y_ticks = _nice_ticks(y_lo, y_hi, 5, expand=False)
-  y_labels = _tick_labels(y_ticks)
+    _, _, y_ticks = nice_ticks(y_lo, y_hi, 5, expand=False)
+  y_labels = tick_labels(y_ticks)
 
   pad, tick_len, inset = 10, 4, 4  # inset keeps lines at the range ends off the frame
   img = np.full((height, width, 3), 255, dtype=np.uint8)
@@ -414,8 +416,8 @@ def line_chart_png(
   # needs; a provisional margin settles it because labels are only a few characters wide.
   plot_w_guess = width - pad - 24 - frame_left - 2 * inset
   for target in (5, 4, 3, 2):
-    x_lo_n, x_hi_n, x_ticks = _nice_ticks(x_lo, x_hi, target, expand=True)
-    x_labels = _tick_labels(x_ticks)
+    x_lo_n, x_hi_n, x_ticks = nice_ticks(x_lo, x_hi, target, expand=True)
+    x_labels = tick_labels(x_ticks)
     spacing = plot_w_guess * (x_ticks[1] - x_ticks[0]) / (x_hi_n - x_lo_n)
     if max(_text_width(s) for s in x_labels) + 10 <= spacing:
       break

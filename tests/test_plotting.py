@@ -258,13 +258,13 @@ def test_x_label_is_drawn_below_frame(tmp_path):
 
 def test_font_covers_required_characters():
   required = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .-+/_:()%=,"
-  missing = [c for c in required if c not in plotting._FONT]
+  missing = [c for c in required if c not in plotting.FONT]
   assert not missing
-  glyphs = [plotting._FONT[c].tobytes() for c in required if c != " "]
+  glyphs = [plotting.FONT[c].tobytes() for c in required if c != " "]
   assert len(set(glyphs)) == len(glyphs), "two characters share a glyph"
-  assert not plotting._text_mask(" ").any()
-  np.testing.assert_array_equal(plotting._text_mask("\u00e9"), plotting._BOX)
-  assert plotting._text_mask("ab", scale=2).shape == (18, 22)
+  assert not plotting.text_mask(" ").any()
+  np.testing.assert_array_equal(plotting.text_mask("\u00e9"), plotting.BOX_GLYPH)
+  assert plotting.text_mask("ab", scale=2).shape == (18, 22)
 
 
 @pytest.mark.parametrize(
@@ -277,14 +277,14 @@ def test_font_covers_required_characters():
     ],
 )
 def test_nice_ticks(lo, hi, expand, want):
-  _, _, ticks = plotting._nice_ticks(lo, hi, 5, expand)
+  _, _, ticks = plotting.nice_ticks(lo, hi, 5, expand)
   np.testing.assert_allclose(ticks, want, atol=1e-12)
 
 
 def test_tick_labels_are_round():
-  assert plotting._tick_labels(np.array([0, 0.2, 0.4])) == ["0.0", "0.2", "0.4"]
-  assert plotting._tick_labels(np.array([-20.0, -1e-17, 20.0])) == ["-20", "0", "20"]
-  assert plotting._tick_labels(np.array([0, 2e6, 4e6])) == ["0", "2e+06", "4e+06"]
+  assert plotting.tick_labels(np.array([0, 0.2, 0.4])) == ["0.0", "0.2", "0.4"]
+  assert plotting.tick_labels(np.array([-20.0, -1e-17, 20.0])) == ["-20", "0", "20"]
+  assert plotting.tick_labels(np.array([0, 2e6, 4e6])) == ["0", "2e+06", "4e+06"]
 
 
 def test_bad_inputs_raise(tmp_path):
