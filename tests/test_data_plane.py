@@ -176,11 +176,6 @@ def mesh8(devices):
 
 def test_put_get_round_trip_and_fast_path(mesh):
   dp = DataPlane(mesh)
-
-  def no_gather(*args):
-    raise AssertionError("whole blocks in placement order must not be gathered")
-
-  dp._gather = no_gather
   m = _meta(16)
   data = _rows(16)
   assert dp.put(m, data) is m
@@ -193,6 +188,7 @@ def test_put_get_round_trip_and_fast_path(mesh):
   again = dp.get(m, ["tokens"])
   assert again["tokens"] is out["tokens"]  # whole block in placement order: no copy
   assert dp.get(list(m.keys), ["mask"], partition="train")["mask"] is out["mask"]
+  assert dp.stats()["gather_calls"] == 0  # whole blocks in placement order: never gathered
 
 
 def test_gather_order_and_blocks(mesh):
@@ -231,9 +227,11 @@ def test_field_added_later_under_existing_keys(mesh):
   np.testing.assert_array_equal(np.asarray(out["tokens"]), data["tokens"])
   assert dp.get(rev, ["advantages"])["advantages"] is dp.get(rev, ["advantages"])["advantages"]
   assert dp.stats()["train/blocks"] == 2 and dp.stats()["train/rows"] == 16
+  # `advantages` in `m`'s order (the reverse of how it was stored) is the one gathered read.
+  assert dp.stats()["gather_calls"] == 1
   assert dp.discard(m) == 16
-  assert dp.stats() == {f"{p}/{s}": 0 for p in ("train", "val")
-                        for s in ("rows", "blocks", "bytes")}
+  assert dp.stats() == {"gather_calls": 1, **{f"{p}/{s}": 0 for p in ("train", "val")
+                                              for s in ("rows", "blocks", "bytes")}}
 
 
 def test_put_errors_place_nothing(mesh8):
@@ -309,8 +307,9 @@ def test_discard_clear_stats(mesh8):
   dp.put(a, {"tokens": a_tokens, "logp": np.zeros((16, 4), np.float32)})
   dp.put(b, {"tokens": np.zeros((8, 4), np.int32), "logp": np.zeros((8, 4), np.float32)})
   dp.put(v, {"tokens": np.zeros((8, 2), np.int32)})
-  assert dp.stats() == {"train/rows": 24, "train/blocks": 2, "train/bytes": 24 * 4 * 8,
-                        "val/rows": 8, "val/blocks": 1, "val/bytes": 8 * 2 * 4}
+  assert dp.stats() == {"gather_calls": 0, "train/rows": 24, "train/blocks": 2,
+                        "train/bytes": 24 * 4 * 8, "val/rows": 8, "val/blocks": 1,
+                        "val/bytes": 8 * 2 * 4}
   with pytest.raises(KeyError, match=r"key 'nope'.*1 of 3"):
     dp.discard(["a/0", "a/1", "nope"], partition="train")
   assert dp.stats()["train/rows"] == 24  # validated before removing any
@@ -406,13 +405,13 @@ def test_gather_does_not_recompile_for_a_repeated_pattern(mesh8):
     np.testing.assert_array_equal(np.asarray(out["x"])[:, 0], [it] * 8 + [-it] * 8)
     dp.discard(a)
     dp.discard(b)
-    sizes.append(dp._gather._cache_size())
+    sizes.append(dp.gather_rows._cache_size())
   assert sizes == [sizes[0]] * 6
   c = [_meta(8, f"c{i}") for i in range(3)]
   for m in c:
     dp.put(m, {"x": np.zeros((8, 4), np.float32)})
   dp.get(c[0].concat(c[1], c[2]), ["x"])  # three blocks, one field: a new pattern compiles
-  assert dp._gather._cache_size() == sizes[0] + 1
+  assert dp.gather_rows._cache_size() == sizes[0] + 1
 
 
 # -- several processes ---------------------------------------------------------------------------

@@ -293,7 +293,10 @@ class DataPlane:
     self._loc: dict[str, dict[str, dict[str, tuple[int, int]]]] = {p: {} for p in partitions}
     self._keys: dict[str, dict[str, None]] = {p: {} for p in partitions}
     self._local_rows_cache: dict[int, tuple[slice, ...]] = {}
-    self._gather = jax.jit(_gather_rows, out_shardings=self._row_sharding)
+    # The jitted gather behind every `get` of rows that are not one whole stored block: one
+    # program per pattern of block shapes (tests count its compiles through this name).
+    self.gather_rows = jax.jit(_gather_rows, out_shardings=self._row_sharding)
+    self._gather_calls = 0
 
   def num_row_shards(self) -> int:
     return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
@@ -486,7 +489,9 @@ class DataPlane:
         prev = (bids, idx, dev_idx)
       args.append(arrays)
       idx_args.append(dev_idx)
-    result = self._gather(tuple(args), tuple(idx_args))
+    with self._lock:
+      self._gather_calls += 1
+    result = self.gather_rows(tuple(args), tuple(idx_args))
     return {f: r for (f, _), r in zip(todo, result)}
 
   # -- release -------------------------------------------------------------------------------
@@ -536,9 +541,11 @@ class DataPlane:
       return sum(self._remove(p, list(self._keys[p])) for p in parts)
 
   def stats(self) -> dict[str, int]:
-    """Live rows, blocks and device bytes (global array sizes) per partition."""
+    """Live rows, blocks and device bytes (global array sizes) per partition, and `gather_calls`:
+    the `get` calls so far that had to gather rows (whole blocks in placement order are returned
+    as stored, without one)."""
     with self._lock:
-      out = {}
+      out = {"gather_calls": self._gather_calls}
       for p in self.partitions:
         blocks = [b for b in self._blocks.values() if b.partition == p]
         out[f"{p}/rows"] = len(self._keys[p])
