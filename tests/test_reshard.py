@@ -205,7 +205,7 @@ def test_full_rematerialization_is_avoided(devices, no_host_copy):
   assert path == "collective" and temp < leaf
   remat = NamedSharding(make_mesh(2, 2, 1, devices[4:]), P("data", "fsdp"))
   inter = intermediate_sharding(src, remat)
-  temp = reshard_module._collective_temp(src, inter, x.shape, np.dtype(np.float32), False)
+  temp = reshard_module.collective_temp_bytes(src, inter, x.shape, np.dtype(np.float32), False)
   assert temp >= leaf
   assert leaf_path(x, remat) == ("pieces", None)
   value = np.arange(64 * 64 * 8, dtype=np.float32).reshape(x.shape)

@@ -351,6 +351,9 @@ class HFTokenizer:
                generation_config_source: str = "generation config",
                use_chat_template: bool | None = None, system_prompt: str | None = None,
                chat_template_kwargs: Mapping[str, Any] | None = None):
+    # The `tokenizers.Tokenizer` underneath (as transformers' `backend_tokenizer`): raw
+    # encode/decode without this class's EOS, padding and chat handling.
+    self.backend_tokenizer = tokenizer
     self._tok = tokenizer
     # A plain `tokenizer(text)` in transformers neither truncates nor pads; tokenizer.json may
     # carry settings for both (they are applied by the Rust side on every encode otherwise).
@@ -398,7 +401,7 @@ class HFTokenizer:
                                reverse=True)
 
     self._env = _environment() if self.chat_templates else None
-    self._compiled: dict[str, jinja2.Template] = {}
+    self._compiled: dict[str, jinja2.Template] = {}  # by template source, so edits recompile
     if use_chat_template is None:
       use_chat_template = bool(self.chat_templates)
     if use_chat_template and not self.chat_templates:
@@ -504,13 +507,14 @@ class HFTokenizer:
       raise ChatTemplateError(f"{self.source}: no chat template named {name!r} "
                               f"(have {sorted(self.chat_templates)})")
     where = self._template_sources.get(name, f"{self.source} chat template {name!r}")
-    if name not in self._compiled:
+    source = self.chat_templates[name]
+    if source not in self._compiled:
       try:
-        self._compiled[name] = self._env.from_string(self.chat_templates[name])
+        self._compiled[source] = self._env.from_string(source)
       except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template {where} does not parse: line {e.lineno}: "
                                 f"{e.message}") from e
-    return self._compiled[name], where
+    return self._compiled[source], where
 
   def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                   *, tools: Sequence[Mapping] | None = None,

@@ -131,7 +131,7 @@ def leaf_path(x, dst: Sharding) -> tuple[str, int | None]:
   if src.is_equivalent_to(inter, len(shape)):
     return "collective", 0
   weak = bool(getattr(x, "weak_type", False))
-  temp = _collective_temp(src, inter, shape, np.dtype(x.dtype), weak)
+  temp = collective_temp_bytes(src, inter, shape, np.dtype(x.dtype), weak)
   if temp is not None and temp >= np.prod(shape) * np.dtype(x.dtype).itemsize:
     # A leaf-sized temporary: XLA could not do it as an all-to-all and replicates the leaf first
     # ("involuntary full rematerialization"), the whole leaf on every source device.
@@ -146,7 +146,8 @@ def _compiled_identity(src: Sharding, inter: NamedSharding, shape: tuple[int, ..
   return jax.jit(lambda x: x, out_shardings=inter).lower(arg).compile()
 
 
-def _collective_temp(src, inter, shape, dtype, weak_type) -> int | None:
+def collective_temp_bytes(src, inter, shape, dtype, weak_type) -> int | None:
+  """Temp bytes XLA plans for the collective `src -> inter` of one leaf (None: not reported)."""
   stats = _compiled_identity(src, inter, shape, dtype, weak_type).memory_analysis()
   return None if stats is None else int(stats.temp_size_in_bytes)
 
