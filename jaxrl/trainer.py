@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +168,7 @@ class Parts:
     self.envs = {name: make_env(name) for name in cfg.task.name.split("+")}
     # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with
     # the row named, by data.on_bad_row; the validation split is checked here, before compiling.
-    self.source = CheckedSource(source, self._row_problem, cfg.data.on_bad_row)
+    self.source = CheckedSource(source, self.row_problem, cfg.data.on_bad_row)
     # What config.validate cannot know without the data: lengths, demonstrations and splits of
     # the built-in tasks are checked there.
     problems = []
@@ -272,7 +273,7 @@ class Parts:
       return params
     return parallel.reshard(params, self._rollout_shardings)
 
-  def _row_problem(self, task) -> tuple[str, str] | None:
+  def row_problem(self, task) -> tuple[str, str] | None:
     """What makes a task row unusable, as (reason, detail), or None."""
     if task.env not in self.envs:
       return "unknown_task", f"task {task.env!r} is not one of {sorted(self.envs)}"
@@ -643,7 +644,8 @@ def _ring_restore(parts: Parts, arrays: dict, host_ring: dict) -> dict[int, dict
 
 def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress, *,
        ckpt: checkpoint.Checkpointer | None = None, resume: tuple | None = None,
-       warm: dict | None = None, stop=None) -> dict:
+       warm: dict | None = None, stop=None,
+       on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None) -> dict:
   """GRPO for `train.steps` steps (see the module docstring).
 
   Checkpoints (`ckpt`, every `checkpoint.every` steps, at the end, on a stop signal and when
@@ -652,6 +654,9 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   the validation results so far, so `resume = (reader, step, host)` continues exactly as if the
   run had not stopped. Before a save every validation pass in flight is finished and logged and
   the rollout worker is left idle with the ring full.
+
+  `on_batch(step, batch) -> batch`, if given, sees (and may replace) every train batch just
+  before its step: a seam for fault injection and debugging.
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
@@ -740,6 +745,8 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
         handoff.prune_below(max(0, batch_id + 1 - L))
         meta = item["meta"]
         batch = _read_batch(parts.data, meta, fields)
+        if on_batch is not None:
+          batch = on_batch(step, batch)
         state, m = step_fn(state, batch)
         m = parallel.distributed.fetch(m)
         del batch

@@ -93,7 +93,7 @@ def _parts(cfg):
 
 def test_row_checks_name_each_reason():
   parts = _parts(_tiny_cfg())
-  check = parts._row_problem
+  check = parts.row_problem
   assert check(Task("add", "12+34=", {}, "ok")) is None
   assert check(Task("countdown", "12+34=", {}, "x"))[0] == "unknown_task"
   assert check(Task("add", "  ", {}, "x"))[0] == "empty_prompt"
@@ -119,10 +119,11 @@ class _Injecting:
     return out
 
 
-def _run(parts, tmp_path, ckpt=None):
+def _run(parts, tmp_path, ckpt=None, on_batch=None):
   out = metrics_lib.MetricsWriter(str(tmp_path))
   try:
-    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt)
+    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
+               on_batch=on_batch)
   finally:
     out.close()
   return [r for r in out.rows if r["phase"] == "rl"]
@@ -137,57 +138,49 @@ def test_bad_rows_in_training_are_skipped_and_counted(tmp_path):
   assert counts[-1] > 0 and counts == sorted(counts)  # cumulative, growing
 
 
-def _poison(monkeypatch, steps, what):
-  """Makes the train batch of the given (1-based) steps non-finite."""
-  read = trainer._read_batch
-  calls = {"n": 0}
+def _poison(poisons):
+  """`rl`'s on_batch: makes the train batch of the given (1-based) steps non-finite, by
+  `poisons = {step: what}`."""
 
-  def read_batch(data, meta, fields):
-    batch = read(data, meta, fields)
-    calls["n"] += 1
-    if calls["n"] in steps:
-      if what in ("inf_reward", "nan_reward"):
-        value = np.inf if what == "inf_reward" else np.nan
-        batch = batch._replace(rewards=batch.rewards.at[0].set(value))
-      else:  # non-finite sampler log-probs: the rollout-KL term (and its gradient) is NaN
-        batch = batch._replace(rollout_logprobs=batch.rollout_logprobs * np.nan)
+  def on_batch(step, batch):
+    what = poisons.get(step)
+    if what in ("inf_reward", "nan_reward"):
+      value = np.inf if what == "inf_reward" else np.nan
+      batch = batch._replace(rewards=batch.rewards.at[0].set(value))
+    elif what == "logprobs":  # non-finite sampler log-probs: the rollout-KL term is NaN
+      batch = batch._replace(rollout_logprobs=batch.rollout_logprobs * np.nan)
     return batch
 
-  monkeypatch.setattr(trainer, "_read_batch", read_batch)
+  return on_batch
 
 
-def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path, monkeypatch):
+def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path):
   parts = _parts(_tiny_cfg(rollout_kl__coef=0.1))
-  _poison(monkeypatch, {3}, "logprobs")
-  rl = _run(parts, tmp_path)
+  rl = _run(parts, tmp_path, on_batch=_poison({3: "logprobs"}))
   assert [r["skipped_nonfinite"] for r in rl] == [0, 0, 1, 0, 0, 0]
   assert [r["train/skipped_updates"] for r in rl] == [0, 0, 1, 1, 1, 1]
   assert rl[2]["grad_norm"] is None  # NaN, written to metrics.jsonl as null
   assert all(np.isfinite(r["grad_norm"]) for i, r in enumerate(rl) if i != 2)
 
 
-def test_non_finite_rewards_are_excluded_and_counted(tmp_path, monkeypatch):
+def test_non_finite_rewards_are_excluded_and_counted(tmp_path):
   # A row with a NaN or infinite reward is excluded like a failed sample (advantage 0, out of
   # its group's statistics); the update goes ahead, finite.
   parts = _parts(_tiny_cfg())
-  _poison(monkeypatch, {3}, "nan_reward")
-  read = trainer._read_batch
-  _poison(monkeypatch, {5}, "inf_reward")  # wraps the NaN wrapper: step 5 of the same count
-  assert trainer._read_batch is not read
-  rl = _run(parts, tmp_path)
+  rl = _run(parts, tmp_path, on_batch=_poison({3: "nan_reward", 5: "inf_reward"}))
   assert [r["nonfinite_rewards"] for r in rl] == [0, 0, 1, 0, 1, 0]
   assert all(r["skipped_nonfinite"] == 0 and np.isfinite(r["loss"]) for r in rl)
 
 
 @pytest.mark.slow  # a whole run to its checkpoint (fast-suite time budget)
-def test_skip_cap_stops_with_a_checkpoint(tmp_path, monkeypatch):
+def test_skip_cap_stops_with_a_checkpoint(tmp_path):
   parts = _parts(_tiny_cfg(train__max_skipped_updates=1, rollout_kl__coef=0.1))
-  _poison(monkeypatch, {2, 3}, "logprobs")
+  on_batch = _poison({2: "logprobs", 3: "logprobs"})
   ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "ckpt"), async_save=False)
   with pytest.raises(trainer.TrainingHalted,
                      match=r"2 updates were skipped .* train.max_skipped_updates=1; checkpoint "
                            r"of step 3 saved"):
-    _run(parts, tmp_path, ckpt)
+    _run(parts, tmp_path, ckpt, on_batch)
   assert ckpt.latest_step() == 3
   ckpt.close()
 
