@@ -40,7 +40,7 @@ from jaxrl import parallel
 from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
-from jaxrl.rollout.sampler import left_positions
+from jaxrl.models.transformer import left_positions
 from jaxrl.types import TrainBatch, TrainState
 
 

@@ -1,4 +1,4 @@
-"""The synchronous GRPO run: build the parts from a validated config, warm up, train, report.
+"""The run: build the parts from a validated config, warm up, train with GRPO, report.
 
 `run(cfg, run_dir, mesh_shape)` is what `python -m jaxrl.train` calls after validating the
 config. Phases:
@@ -9,7 +9,8 @@ config. Phases:
    reward, group-normalised advantages, the loss composed from `loss.*`; a rollout thread feeds
    the forced-lag ring (`rollout.lag`, 0 = synchronous) and, with `dynamic_sampling.enabled`,
    drops groups without reward variance while keeping every batch at P whole groups;
-3. held-out greedy accuracy on `val` before RL, every `eval.every` steps and at the end.
+3. held-out greedy accuracy on `val` before RL, every `val.every` steps and at the end
+   (generated on a thread while training goes on, `val.asynchronous`).
 
 Rollout rows live in the data plane (`jaxrl.pipeline.DataPlane`): partition `train` for training
 batches, keyed once when sampled, placed length-balanced over the data shards, read by the train

@@ -9,7 +9,8 @@ from flax import nnx
 from conftest import tiny_model_config
 from jaxrl.models import KVCache, init_model
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.rollout.sampler import left_positions, make_sampler
+from jaxrl.models.transformer import left_positions
+from jaxrl.rollout.sampler import make_sampler
 
 VARIANTS = {
     "llama_unrolled": {"scan_layers": False},

@@ -1,7 +1,7 @@
 """Decoder language models (Llama / Qwen family)."""
 
 from jaxrl.models.transformer import (DTYPES, KVCache, ModelConfig, Transformer, abstract_model,
-                                      init_model, scale_logits, token_logprobs)
+                                      init_model, left_positions, scale_logits, token_logprobs)
 
 __all__ = ["DTYPES", "KVCache", "ModelConfig", "Transformer", "abstract_model", "init_model",
-           "scale_logits", "token_logprobs"]
+           "left_positions", "scale_logits", "token_logprobs"]

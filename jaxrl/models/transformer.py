@@ -482,6 +482,11 @@ def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
   return logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[..., None]
 
 
+def left_positions(valid: jax.Array) -> jax.Array:
+  """Positions counted from each row's first real token (left padding gets 0)."""
+  return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> jax.Array:
   """The one log-prob definition: `log_softmax(logits / T)[target]` over the full vocabulary, f32.
 

@@ -1,1 +1,2 @@
-"""Rollout generation: the pure sampler (and, later, the engine and worker thread)."""
+"""Rollout generation: the pure static sampler (`sampler`), the continuous-batching slot engine
+(`engine`) and the multi-turn episode loop over environments (`multi_turn`)."""

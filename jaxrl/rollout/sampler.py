@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.transformer import KVCache, scale_logits, token_logprobs
+from jaxrl.models.transformer import KVCache, left_positions, scale_logits, token_logprobs
 
 
 class _DecodeState(NamedTuple):
@@ -44,11 +44,6 @@ class SampleOutput(NamedTuple):
   logprobs: jax.Array  # [B, N] float32, 0 where mask is False
   mask: jax.Array  # [B, N] bool: generated tokens up to and including the first EOS
   lengths: jax.Array  # [B] int32, mask.sum(-1)
-
-
-def left_positions(valid: jax.Array) -> jax.Array:
-  """Positions counted from each row's first real token (left padding gets 0)."""
-  return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
 
 
 def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
