@@ -571,3 +571,11 @@ def test_countdown_grade_never_raises_on_garbage():
     text = "".join(rng.choice(chars, size=int(rng.integers(0, 60))))
     ok, right, _ = countdown.grade(text, [1, 2, 3], 6)
     assert isinstance(ok, bool) and isinstance(right, bool)
+
+
+def test_char_tokenizer_decode_stops_at_eos_and_drops_padding():
+  tok = CharTokenizer("0123456789+=")  # ids: 0 pad, 1 EOS, 2.. the alphabet in order
+  assert tok.decode([0, 0, 3, 4, 12, 1, 5]) == "12+"  # 3 -> "1", 4 -> "2", 12 -> "+"
+  assert tok.decode(np.array([0, 3, 0, 4], np.int32)) == "12"  # padding anywhere is dropped
+  assert tok.decode(np.array([1, 3], np.int64)) == "" and tok.decode([]) == ""
+  assert tok.decode(tok.encode("07+35=")) == "07+35="

@@ -222,3 +222,35 @@ def test_unknown_environment_and_long_prompt_are_named():
     loop.run(None, [Task("zz", "ab", {}, "x")], KEY, 0, 0, 1.0)
   with pytest.raises(ValueError, match="max_prompt_len=6.*'long'"):
     loop.run(None, [Task("e", "abcdefghij", {}, "long")], KEY, 0, 0, 1.0)
+
+
+class Holey:
+  """Wraps a sampler: moves each row's generated tokens one slot right behind a masked-out
+  junk token, so the mask is no longer a prefix (an engine may return such rows)."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __call__(self, *args, **kwargs):
+    o = self.inner(*args, **kwargs)
+    b, w = o.tokens.shape
+    t = np.concatenate([np.full((b, 1), 7, np.int32), o.tokens], 1)
+    m = np.concatenate([np.zeros((b, 1), bool), o.mask], 1)
+    lp = np.concatenate([np.full((b, 1), -9.0, np.float32), o.logprobs], 1)
+    return Out(t, m, lp)
+
+
+def test_non_prefix_masks_give_the_same_episodes():
+  # The loop writes prefix masks (the samplers' own) in one vectorised step and anything else
+  # row by row: both must read "the tokens where mask is True", in order.
+  tasks = _tasks(6)
+  envs = lambda: {"e": CountingEnv("e", 3, 2), "f": CountingEnv("f", 2, 1)}
+  budget = Budget(max_prompt_len=6, max_new_tokens=3, max_total_tokens=9, max_turns=3)
+  plain = MultiTurn(TOK, envs(), budget, 4, FakeSampler(4, 3), FakeSampler(1, 3),
+                    fetch=lambda x: x, env_timeout_s=5.0).run(None, tasks, KEY, 0, 2, 1.0)
+  holey = MultiTurn(TOK, envs(), budget, 4, Holey(FakeSampler(4, 3)), Holey(FakeSampler(1, 3)),
+                    fetch=lambda x: x, env_timeout_s=5.0).run(None, tasks, KEY, 0, 2, 1.0)
+  assert plain.turns.max() > 1 and plain.truncated.any()  # several turns and the budget bit
+  for f in ("tokens", "valid", "mask", "logprobs", "policy_version", "rewards", "turns",
+            "terminated", "truncated", "failed"):
+    np.testing.assert_array_equal(getattr(holey, f), getattr(plain, f), err_msg=f)

@@ -44,6 +44,7 @@ class CharTokenizer:
       raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
     self.alphabet = alphabet
     self._ids = {ch: i + 2 for i, ch in enumerate(alphabet)}
+    self._chars = ("", "", *alphabet)  # by id: padding and EOS decode to nothing
     self.vocab_size = len(alphabet) + 2
 
   def encode(self, text: str) -> list[int]:
@@ -61,14 +62,10 @@ class CharTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     """Text of the ids, stopping at the first EOS; padding is dropped."""
-    out = []
-    for i in ids:
-      i = int(i)
-      if i == self.eos_id:
-        break
-      if i >= 2:
-        out.append(self.alphabet[i - 2])
-    return "".join(out)
+    ids = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return "".join([self._chars[i] for i in ids if i >= 0])
 
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray,

@@ -207,28 +207,50 @@ class MultiTurn:
 
       calls: dict[str, tuple[object, list[Turn]]] = {}
       where: dict[str, list[int]] = {}
-      for i in np.flatnonzero(active):
-        new = o_tokens[i][o_mask[i]]
-        room = N - length[i]
-        ended_eos = len(new) > 0 and int(new[-1]) in eos_ids
-        cut = len(new) > room
-        new = new[:room]
-        lp = o_lps[i][o_mask[i]][:len(new)]
-        s = slice(length[i], length[i] + len(new))
-        tokens[i, s], valid[i, s], gen[i, s] = new, True, True
-        logprobs[i, s] = lp
-        pversion[i, s] = version if o_versions is None else o_versions[i][o_mask[i]][:len(new)]
-        length[i] += len(new)
-        turns[i] += 1
+      act = np.flatnonzero(active)
+      counts = o_mask.sum(1)
+      cut = counts > N - length  # the sequence budget ends this turn
+      last = o_tokens[np.arange(B), np.maximum(counts - 1, 0)]
+      ended_eos = (counts > 0) & np.isin(last, list(eos_ids))
+      take = np.where(cut, N - length, counts)
+      if np.array_equal(o_mask, np.arange(o_mask.shape[1]) < counts[:, None]):
+        # Every row's new tokens are a prefix (the samplers' masks: up to the first EOS): write
+        # them all at once; only text and environment calls stay per row.
+        n_act = take[act]
+        r_idx = np.repeat(act, n_act)
+        offs = np.arange(r_idx.size) - np.repeat(np.cumsum(n_act) - n_act, n_act)
+        c_idx = length[r_idx] + offs
+        tokens[r_idx, c_idx] = o_tokens[r_idx, offs]
+        valid[r_idx, c_idx] = True
+        gen[r_idx, c_idx] = True
+        logprobs[r_idx, c_idx] = o_lps[r_idx, offs]
+        pversion[r_idx, c_idx] = (version if o_versions is None
+                                  else np.asarray(o_versions)[r_idx, offs])
+        new_ids = o_tokens.tolist()
+        news = {int(i): new_ids[i][:take[i]] for i in act}
+      else:
+        news = {}
+        for i in act:
+          full = o_tokens[i][o_mask[i]]
+          ended_eos[i] = len(full) > 0 and int(full[-1]) in eos_ids
+          new = full[:take[i]]
+          s = slice(length[i], length[i] + len(new))
+          tokens[i, s], valid[i, s], gen[i, s] = new, True, True
+          logprobs[i, s] = o_lps[i][o_mask[i]][:len(new)]
+          pversion[i, s] = version if o_versions is None else \
+              np.asarray(o_versions)[i][o_mask[i]][:len(new)]
+          news[int(i)] = new
+      length[act] += take[act]
+      turns[act] += 1
+      truncated[act] |= cut[act]
+      for i, new in news.items():
         text = self.tok.decode(new)
         row = rows[i]
         calls.setdefault(row.env, (self.envs[row.env], []))[1].append(
-            Turn(task=row, turn=turn, response=text, truncated=bool(cut or not ended_eos),
-                 history=tuple(history[i])))
-        where.setdefault(row.env, []).append(int(i))
+            Turn(task=row, turn=turn, response=text,
+                 truncated=bool(cut[i] or not ended_eos[i]), history=tuple(history[i])))
+        where.setdefault(row.env, []).append(i)
         history[i].append(("assistant", text))
-        if cut:
-          truncated[i] = True  # the sequence budget ended this turn
 
       results = _call_all(calls, self.env_timeout_s)
       for name, res in results.items():
