@@ -287,7 +287,23 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params
     return step_jit(state, batch)
 
   step.jitted = step_jit  # for compile counting and lowering
+  step.state_shardings = state_sh
+  step.batch_sharding = row
   return step, init_state
+
+
+def compile_step(step, init_state, params, batch: TrainBatch) -> None:
+  """Compiles `step` (from `build_train_step`) ahead of its first call, for the state
+  `init_state(params)` would make and a batch of `batch`'s shapes and dtypes (any arrays or
+  `jax.ShapeDtypeStruct`s; None fields stay None). The program lands in JAX's compilation cache,
+  so the first real call runs at once; the trainer does this on a thread while the warm-up runs.
+  Nothing is computed or allocated on the devices.
+  """
+  spec = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding,
+                                                  weak_type=getattr(a, "weak_type", False))
+  state = jax.tree.map(spec, jax.eval_shape(init_state, params), step.state_shardings)
+  batch = jax.tree.map(lambda a: spec(a, step.batch_sharding), batch)
+  step.jitted.lower(state, batch).compile()
 
 
 def shard_params(params, mesh: Mesh):

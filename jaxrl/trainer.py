@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -49,8 +50,8 @@ from jaxrl.pipeline.validator import Validator
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampler import make_sampler
-from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
-                              to_rows)
+from jaxrl.train_step import (StepConfig, build_train_step, compile_step, make_optimizer,
+                              shard_params, to_rows)
 from jaxrl.types import TrainBatch
 
 
@@ -394,7 +395,8 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
       seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
   a = cfg.advantage
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
-                    adv_clip=a.clip or None, num_microbatches=config_lib.run_microbatches(cfg, shards),
+                    adv_clip=a.clip or None,
+                    num_microbatches=config_lib.run_microbatches(cfg, shards),
                     logprob_impl=_logprob_impl(cfg))
 
 
@@ -643,10 +645,71 @@ def _ring_restore(parts: Parts, arrays: dict, host_ring: dict) -> dict[int, dict
   return items
 
 
+def build_rl_step(parts: Parts) -> tuple[Callable, Callable]:
+  """The RL train step and its state initialiser for `parts` (`build_train_step` with the run's
+  optimizer, schedule and step config)."""
+  cfg = parts.cfg
+  t = cfg.train
+  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                       schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
+  step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
+  return build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
+
+
+def rl_batch_spec(cfg) -> TrainBatch:
+  """Shapes and dtypes (`jax.ShapeDtypeStruct`) of every RL train batch of a run: P x G rows of
+  `rollout.max_prompt_len` prompt and `max_total_tokens or max_new_tokens` completion tokens, as
+  the data plane hands them to the step (None where the run keeps no such field)."""
+  r = cfg.rollout
+  b, lp, n = r.num_prompts * r.group_size, r.max_prompt_len, r.max_total_tokens or r.max_new_tokens
+  s = jax.ShapeDtypeStruct
+  return TrainBatch(
+      prompt_tokens=s((b, lp), jnp.int32), prompt_valid=s((b, lp), jnp.bool_),
+      tokens=s((b, n), jnp.int32), mask=s((b, n), jnp.bool_),
+      rollout_logprobs=s((b, n), jnp.float32) if r.logprobs else None,
+      rewards=s((b,), jnp.float32), group_id=s((b,), jnp.int32),
+      temperature=s((b,), jnp.float32), completion_valid=s((b, n), jnp.bool_))
+
+
+class CompileAhead:
+  """Compiles the RL train step on a daemon thread (`compile_step`), so that its compilation
+  overlaps the warm-up and the first batch's generation instead of following them.
+
+  Only a head start: a failure here is kept and ignored (the first real call compiles and reports
+  it), and `wait` gives up after `timeout_s`, after which the call compiles for itself.
+  """
+
+  def __init__(self, parts: Parts, step: tuple[Callable, Callable], timeout_s: float = 600.0):
+    self.error: BaseException | None = None
+    self.timeout_s = timeout_s
+    step_fn, init_state = step
+    spec = rl_batch_spec(parts.cfg)
+    # Shapes only, taken now: the warm-up replaces (and donates) the params while this runs.
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          parts.params)
+
+    def work():
+      try:
+        compile_step(step_fn, init_state, params, spec)
+      except BaseException as e:  # noqa: BLE001  (reported by the real call, not here)
+        self.error = e
+
+    self._thread = threading.Thread(target=work, name="jaxrl-compile-ahead", daemon=True)
+    self._thread.start()
+
+  def wait(self) -> bool:
+    """True when the compile finished (successfully or not) within the timeout."""
+    self._thread.join(self.timeout_s)
+    return not self._thread.is_alive()
+
+
 def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress, *,
        ckpt: checkpoint.Checkpointer | None = None, resume: tuple | None = None,
        warm: dict | None = None, stop=None,
-       on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None) -> dict:
+       on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None,
+       rl_step: tuple[Callable, Callable] | None = None,
+       ahead: CompileAhead | None = None) -> dict:
   """GRPO for `train.steps` steps (see the module docstring).
 
   Checkpoints (`ckpt`, every `checkpoint.every` steps, at the end, on a stop signal and when
@@ -657,17 +720,15 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
   the rollout worker is left idle with the ring full.
 
   `on_batch(step, batch) -> batch`, if given, sees (and may replace) every train batch just
-  before its step: a seam for fault injection and debugging.
+  before its step: a seam for fault injection and debugging. `rl_step` is `build_rl_step(parts)`
+  when the caller built it already (None: built here); `ahead`, a `CompileAhead` compiling that
+  step, is waited for before the first update.
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
   P, G = r.num_prompts, r.group_size
   stop = stop or (lambda: False)
-  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
-                       schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
-  step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
-  step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, parts.params)
+  step_fn, init_state = rl_step or build_rl_step(parts)
   state = init_state(parts.params)
   L = r.lag
   fields = _train_fields(cfg)
@@ -748,6 +809,9 @@ def rl(parts: Parts, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progr
         batch = _read_batch(parts.data, meta, fields)
         if on_batch is not None:
           batch = on_batch(step, batch)
+        if ahead is not None:
+          ahead.wait()
+          ahead = None
         state, m = step_fn(state, batch)
         m = parallel.distributed.fetch(m)
         del batch
@@ -864,6 +928,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       progress.say(f"disaggregated: train on devices 0-{mesh_shape.size - 1}, rollouts on "
                    f"devices {first}-{first + mesh_shape.rollout_devices - 1} (mesh "
                    f"{'x'.join(map(str, mesh_shape.rollout_shape))})")
+    rl_step = build_rl_step(parts)
+    # One process: compile the RL step while the warm-up runs (several processes compile in
+    # lockstep on the main thread, as they launch everything else).
+    ahead = CompileAhead(parts, rl_step) if jax.process_count() == 1 else None
     if resume is not None:
       warm = {k: _from_json_num(x) for k, x in resume[2]["warmup"].items()}
     else:
@@ -871,7 +939,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       if warm.get("sft/stopped"):
         return warm
     summary = {**warm, **rl(parts, out, progress, ckpt=ckpt, resume=resume,
-                            warm={k: _json_num(x) for k, x in warm.items()}, stop=stop)}
+                            warm={k: _json_num(x) for k, x in warm.items()}, stop=stop,
+                            rl_step=rl_step, ahead=ahead)}
     if summary["rl/stopped_at"] is not None:
       progress.say(f"stopped by signal after step {summary['rl/stopped_at']}: checkpoint saved in "
                    f"{own_dir}; continue with --config.run_dir={run_dir} (resume=auto)")

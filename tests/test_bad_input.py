@@ -194,3 +194,58 @@ def test_non_finite_reward_row_leaves_its_group_signal_intact():
   valid = jnp.isfinite(rewards)
   adv = losses.compute_advantages("grpo", rewards, jnp.zeros(4, jnp.int32), valid, eps=1e-4)
   np.testing.assert_allclose(adv, [0.0, 1.41391, -0.706955, -0.706955], rtol=1e-4)
+
+
+def test_rl_batch_spec_is_what_the_step_gets_and_compiling_ahead_is_reused(tmp_path):
+  # The trainer compiles the RL step ahead from `rl_batch_spec` (shapes, dtypes, missing fields)
+  # while the warm-up runs; a spec that differed from the real batches would compile twice.
+  from jax._src import dispatch, monitoring
+  cfg = _tiny_cfg(train__steps=2, rollout__max_total_tokens=6, rollout__logprobs=False)
+  parts = _parts(cfg)
+  spec = trainer.rl_batch_spec(cfg)
+  assert spec.rollout_logprobs is None and spec.tokens.shape == (32, 6)  # 4 x 8 rows, budget 6
+  seen = []
+
+  def on_batch(step, batch):
+    assert jax.tree.structure(batch) == jax.tree.structure(spec)
+    for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(spec)):
+      assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    seen.append(step)
+    return batch
+
+  rl_step = trainer.build_rl_step(parts)
+  ahead = trainer.CompileAhead(parts, rl_step)
+  assert ahead.wait() and ahead.error is None
+  compiles = []
+
+  def listener(name, secs, **kw):
+    if name == dispatch.BACKEND_COMPILE_EVENT:
+      compiles.append(secs)
+
+  # Everything else the loop runs (sampling, the data plane) compiles once; the step must not.
+  calls = {"n": 0}
+  step_fn, init_state = rl_step
+
+  def counting_step(state, batch):
+    before = len(compiles)
+    out = step_fn(state, batch)
+    calls["n"] += int(len(compiles) > before)
+    return out
+
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    _run_with(parts, tmp_path, on_batch, (counting_step, init_state))
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  assert seen == [1, 2]
+  assert compiles, "the listener sees compilations at all"
+  assert calls["n"] == 0, "the RL step compiled again after compiling ahead"
+
+
+def _run_with(parts, tmp_path, on_batch, rl_step):
+  out = metrics_lib.MetricsWriter(str(tmp_path))
+  try:
+    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), on_batch=on_batch,
+               rl_step=rl_step)
+  finally:
+    out.close()
