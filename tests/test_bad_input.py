@@ -119,11 +119,11 @@ class _Injecting:
     return out
 
 
-def _run(parts, tmp_path, ckpt=None, on_batch=None):
+def _run(parts, tmp_path, ckpt=None, on_batch=None, rl_step=None):
   out = metrics_lib.MetricsWriter(str(tmp_path))
   try:
     trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
-               on_batch=on_batch)
+               on_batch=on_batch, rl_step=rl_step)
   finally:
     out.close()
   return [r for r in out.rows if r["phase"] == "rl"]
@@ -234,18 +234,10 @@ def test_rl_batch_spec_is_what_the_step_gets_and_compiling_ahead_is_reused(tmp_p
 
   monitoring.register_event_duration_secs_listener(listener)
   try:
-    _run_with(parts, tmp_path, on_batch, (counting_step, init_state))
+    _run(parts, tmp_path, on_batch=on_batch, rl_step=(counting_step, init_state))
   finally:
     monitoring.unregister_event_duration_listener(listener)
   assert seen == [1, 2]
   assert compiles, "the listener sees compilations at all"
   assert calls["n"] == 0, "the RL step compiled again after compiling ahead"
 
-
-def _run_with(parts, tmp_path, on_batch, rl_step):
-  out = metrics_lib.MetricsWriter(str(tmp_path))
-  try:
-    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), on_batch=on_batch,
-               rl_step=rl_step)
-  finally:
-    out.close()
