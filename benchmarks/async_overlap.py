@@ -33,6 +33,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
 from jaxrl import trainer
+from jaxrl.parts import build_parts
 from jaxrl.configs.default import get_config
 
 
@@ -49,7 +50,7 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
   cfg.val.every = 10**6
   cfg.val.at_start = cfg.val.at_end = False
   mesh = config_lib.validate(cfg, jax.device_count())
-  parts = trainer.Parts(cfg, mesh)
+  parts, params = build_parts(cfg, mesh)
   env = parts.envs["add"]
   score = env.step
 
@@ -61,7 +62,7 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
   with tempfile.TemporaryDirectory() as d:
     out = metrics_lib.MetricsWriter(d)
     try:
-      trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()))
+      trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
     finally:
       out.close()
     rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]

@@ -3,11 +3,11 @@
 Prints ONE JSON object on stdout (progress goes to stderr). One data-plane step is what the
 trainer does with a rollout batch of P=64 prompts x G=16 samples (1024 rows) of 1024 completion
 tokens: put the rollout fields from host numpy arrays (tokens int32, mask bool, rollout_logprobs
-float32, policy_version int32, all [rows, tokens], as the trainer stores them), get them back in placement order (the fast
-path: the stored arrays themselves) and discard the rows. Times are host-side (the calling
-thread's wall time; transfers may still be in flight) and, separately, synced (blocked until the
-placed arrays are ready). The gather path gets 1024 rows drawn half from each of two blocks, in
-a shuffled order (one jitted gather).
+float32, policy_version int32, all [rows, tokens], as the trainer stores them), get them back in
+placement order (the fast path: the stored arrays themselves) and discard the rows. Times are
+host-side (the calling thread's wall time; transfers may still be in flight) and, separately,
+synced (blocked until the placed arrays are ready). The gather path gets 1024 rows drawn half
+from each of two blocks, in a shuffled order (one jitted gather).
 
 The default model's train step (default config: P=32, G=8, 6 prompt + 4 completion tokens,
 mesh 1x1x1, built as benchmarks/train_step.py builds it) is timed in the same loop, one step per
@@ -38,7 +38,7 @@ from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.pipeline.data_plane import BatchMeta, DataPlane, balance_rows
 from jaxrl.train_step import build_train_step, make_optimizer, to_rows
-from jaxrl.trainer import rl_step_config
+from jaxrl.rl_step import rl_step_config
 
 TRAIN_FIELDS = ("tokens", "mask", "rollout_logprobs", "policy_version")
 TARGET = 0.05

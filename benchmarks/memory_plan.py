@@ -70,7 +70,7 @@ from jaxrl.models.transformer import REMAT_POLICIES, ModelConfig, abstract_model
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jaxrl.rollout.sampler import make_sampler  # noqa: E402
 from jaxrl.train_step import build_train_step, make_optimizer  # noqa: E402
-from jaxrl.trainer import rl_step_config  # noqa: E402
+from jaxrl.rl_step import rl_step_config  # noqa: E402
 from jaxrl.types import TrainBatch  # noqa: E402
 
 GIB = 1 << 30

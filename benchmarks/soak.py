@@ -60,6 +60,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
 from jaxrl import trainer
+from jaxrl.parts import build_parts
 from jaxrl.configs.default import get_config
 
 GROWTH_TARGET = 0.10
@@ -244,8 +245,8 @@ def main():
 
   cfg = tiny_config(args.steps)
   mesh = config_lib.validate(cfg, jax.device_count())
-  parts = trainer.Parts(cfg, mesh)
-  n_params = sum(x.size for x in jax.tree.leaves(parts.params))
+  parts, params = build_parts(cfg, mesh)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
   gc.collect()
   rss_built, live_built = rss_mib(), len(jax.live_arrays())
   log(f"[soak] {n_params:,} params, {args.steps} steps at lag {cfg.rollout.lag}, validation "
@@ -256,7 +257,7 @@ def main():
     out = Writer(d, sampler, parts, args.warmup_steps, args.steps)
     try:
       with sampler:
-        summary = trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()))
+        _, summary = trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
     finally:
       out.close()
   gc.collect()

@@ -29,7 +29,7 @@ from jaxrl.configs.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.train_step import build_train_step, make_optimizer, to_rows
-from jaxrl.trainer import rl_step_config
+from jaxrl.rl_step import rl_step_config
 from jaxrl.types import TrainBatch
 
 DEFAULT_VOCAB = 14  # the `add` task's CharTokenizer: 12 characters + pad + EOS

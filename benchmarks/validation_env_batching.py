@@ -2,7 +2,7 @@
 
 An environment whose cost is mostly per call (a judge model, a sandbox, a remote verifier) costs
 little when it sees all of a turn's rows at once. This benchmark validates the same samples two
-ways through the real trainer parts (`trainer.Parts.validate`, the default model without the
+ways through the real trainer parts (`jaxrl.evaluation.Evaluator`, the default model without the
 supervised warm-up, task `add`, so the generations come from the real sampler):
 
 - `batched`: what jaxrl does. `MultiTurn` calls the task's environment once per turn with all
@@ -39,7 +39,8 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl import trainer
+from jaxrl.evaluation import Evaluator
+from jaxrl.parts import build_parts
 from jaxrl.configs.default import get_config
 from jaxrl.envs.base import StepResult, Turn
 
@@ -124,12 +125,13 @@ def build(samples: int, k: int):
   # loaded machine cannot turn it into failed rows.
   cfg.env.timeout_s = 600.0
   mesh = config_lib.validate(cfg, jax.device_count())
-  return cfg, trainer.Parts(cfg, mesh)
+  parts, params = build_parts(cfg, mesh)
+  return cfg, parts, params
 
 
-def timed(parts) -> tuple[float, dict]:
+def timed(parts, params) -> tuple[float, dict]:
   t0 = time.perf_counter()
-  metrics = parts.validate(parts.params)
+  metrics = Evaluator(parts, asynchronous=False).evaluate(params)
   return time.perf_counter() - t0, metrics
 
 
@@ -147,7 +149,7 @@ def main():
     args.samples, args.repeats = 64, 1
   t0 = time.perf_counter()
   load = os.getloadavg()[0]
-  cfg, parts = build(args.samples, args.samples_per_prompt)
+  cfg, parts, params = build(args.samples, args.samples_per_prompt)
   env = parts.envs["add"]
   costly = Costly(env.step, args.call_ms / 1e3, args.row_ms / 1e3)
   wrapper_ok, wrapper_reward = check_wrapper(env.step, parts.source.split("val")[:16])
@@ -156,7 +158,7 @@ def main():
   steps = {"gen_only": env.step, "batched": costly, "per_sample": per_sample(costly)}
 
   env.step = steps["gen_only"]
-  warm_s, _ = timed(parts)
+  warm_s, _ = timed(parts, params)
   log(f"warm-up pass (compiles the sampler): {warm_s:.2f} s")
 
   runs = {name: [] for name in steps}
@@ -164,7 +166,7 @@ def main():
     for name, step in steps.items():
       env.step = step
       costly.reset()
-      wall, metrics = timed(parts)
+      wall, metrics = timed(parts, params)
       runs[name].append({"wall_s": wall, "env_calls": costly.calls, "rows": costly.rows,
                          "loop_env_calls": metrics["val/env_calls"], "metrics": metrics,
                          "graded": list(costly.graded)})

@@ -74,8 +74,8 @@ def main(argv: list[str]) -> None:
     settings = config_lib.distributed_settings(cfg)
     if settings is not None:  # else validate() names the bad keys along with any others
       _join(cfg, settings, problems)
-    mesh_shape = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES,
-                                     problems=problems, num_processes=jax.process_count())
+    mesh_shape = config_lib.validate(cfg, jax.device_count(), problems=problems,
+                                     num_processes=jax.process_count())
   except config_lib.ConfigError as e:
     sys.exit(f"jaxrl: invalid config\n{e}")
   run_dir = cfg.run_dir or os.path.join(

@@ -41,6 +41,7 @@ from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models.transformer import left_positions
+from jaxrl.names import LR_SCHEDULES
 from jaxrl.types import TrainBatch, TrainState
 
 
@@ -64,7 +65,6 @@ class StepConfig:
     return self.loss == "rl" and self.objective.ref_kl_coef != 0
 
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def learning_rate_schedule(learning_rate: float, *, warmup_steps: int = 0,

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, trainer
+from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, parts as parts_lib
+from jaxrl import rl_step as rl_step_lib, trainer
 from jaxrl.configs.default import get_config
 from jaxrl.data.sources import BadRow, CheckedSource
 from jaxrl.envs.base import Task
@@ -87,12 +88,13 @@ def _tiny_cfg(**over):
   return cfg
 
 
-def _parts(cfg):
-  return trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count()))
+def _parts(cfg, **kw):
+  """(parts, initial params) of `cfg`; keyword arguments go to `build_parts` (envs, source)."""
+  return parts_lib.build_parts(cfg, config_lib.validate(cfg, jax.device_count()), **kw)
 
 
 def test_row_checks_name_each_reason():
-  parts = _parts(_tiny_cfg())
+  parts, _ = _parts(_tiny_cfg())
   check = parts.row_problem
   assert check(Task("add", "12+34=", {}, "ok")) is None
   assert check(Task("countdown", "12+34=", {}, "x"))[0] == "unknown_task"
@@ -119,10 +121,11 @@ class _Injecting:
     return out
 
 
-def _run(parts, tmp_path, ckpt=None, on_batch=None, rl_step=None):
+def _run(built, tmp_path, ckpt=None, on_batch=None, rl_step=None):
+  parts, params = built
   out = metrics_lib.MetricsWriter(str(tmp_path))
   try:
-    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
+    trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
                on_batch=on_batch, rl_step=rl_step)
   finally:
     out.close()
@@ -130,8 +133,8 @@ def _run(parts, tmp_path, ckpt=None, on_batch=None, rl_step=None):
 
 
 def test_bad_rows_in_training_are_skipped_and_counted(tmp_path):
-  parts = _parts(_tiny_cfg())
-  parts.source.source = _Injecting(parts.source.source)
+  cfg = _tiny_cfg()
+  parts = _parts(cfg, source=_Injecting(parts_lib.task_source(cfg)))
   rl = _run(parts, tmp_path)
   assert len(rl) == 6
   counts = [r.get("data/skipped/too_long", 0) for r in rl]
@@ -202,7 +205,7 @@ def test_rl_batch_spec_is_what_the_step_gets_and_compiling_ahead_is_reused(tmp_p
   from jax._src import dispatch, monitoring
   cfg = _tiny_cfg(train__steps=2, rollout__max_total_tokens=6, rollout__logprobs=False)
   parts = _parts(cfg)
-  spec = trainer.rl_batch_spec(cfg)
+  spec = rl_step_lib.rl_batch_spec(cfg)
   assert spec.rollout_logprobs is None and spec.tokens.shape == (32, 6)  # 4 x 8 rows, budget 6
   seen = []
 
@@ -213,8 +216,8 @@ def test_rl_batch_spec_is_what_the_step_gets_and_compiling_ahead_is_reused(tmp_p
     seen.append(step)
     return batch
 
-  rl_step = trainer.build_rl_step(parts)
-  ahead = trainer.CompileAhead(parts, rl_step)
+  rl_step = rl_step_lib.build_rl_step(*parts)
+  ahead = rl_step_lib.CompileAhead(parts[0], rl_step, parts[1])
   assert ahead.wait() and ahead.error is None
   compiles = []
 

@@ -145,11 +145,12 @@ def test_num_heads_must_be_multiple_of_kv_heads():
   assert "config.model.num_kv_heads" in _one(cfg, "model.num_heads")
 
 
-def test_task_name_checked_only_when_names_given():
+def test_task_name_is_checked_against_the_registry_or_given_names():
   cfg = get_config()
   cfg.task.name = "sub"
-  validate(cfg, 1)
+  assert "got 'sub'" in _one(cfg, "task.name")  # not a registered task
   assert "got 'sub'" in _one(cfg, "task.name", task_names=["add", "mul"])
+  validate(cfg, 1, task_names=["sub"])
 
 
 def test_mesh_not_dividing_devices():
@@ -318,18 +319,22 @@ def test_parse_overrides_reports_every_bad_key():
     assert p.startswith(f"config.{key}:") and text in p, p
 
 
-def test_loss_names_match_the_library():
-  # config.py spells the registries out (it must not import jax); they must not drift apart.
-  from jaxrl import config as c
-  from jaxrl import losses as L
-  assert c.ADVANTAGE_ESTIMATORS == L.ADVANTAGE_ESTIMATORS
-  assert c.POLICY_LOSSES == L.POLICY_LOSSES == tuple(L.policy.POLICIES)
-  assert c.REDUCTIONS == L.REDUCTIONS
-  assert c.KL_ESTIMATORS == L.KL_ESTIMATORS
-  assert c.KL_REDUCTIONS == tuple(L.KL_REDUCTIONS)
-  assert c.CORRECTIONS == L.CORRECTIONS and c.WEIGHTING == L.WEIGHTING
-  from jaxrl import train_step
-  assert c.LR_SCHEDULES == train_step.LR_SCHEDULES
+def test_registry_names_are_the_librarys():
+  # The names are spelled once (jaxrl.names, jax-free); the library dispatches on them and a
+  # registry whose implementations differ fails at import.
+  import jax.numpy as jnp
+  from jaxrl import losses as L, names
+  assert L.POLICY_LOSSES is names.POLICY_LOSSES and tuple(L.policy.POLICIES) == names.POLICY_LOSSES
+  assert tuple(L.KL_REDUCTIONS) == names.KL_REDUCTIONS
+  with pytest.raises(AssertionError,
+                     match=r"jaxrl.names.X is \('a',\), but the implementations are \('a', 'b'\)"):
+    names.check_registry("X", ("a",), {"a": 1, "b": 2})
+  for name in names.ADVANTAGE_ESTIMATORS:  # every name reaches an implementation
+    L.compute_advantages(name, jnp.array([1.0, 0.0]), jnp.zeros(2, jnp.int32), eps=1e-4)
+  for name in names.KL_ESTIMATORS:
+    L.kl_estimate(jnp.zeros(2), jnp.zeros(2), name)
+  for name in names.REDUCTIONS:
+    L.reduce(name, jnp.ones((1, 2)), jnp.ones((1, 2), bool))
 
 
 @pytest.mark.parametrize("overrides,key,expected", [

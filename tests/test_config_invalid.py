@@ -8,9 +8,10 @@ key, or a second check that fires with it, fails the case too.
 
 import pytest
 
-from jaxrl.config import ConfigError, add_lengths, parse_overrides, validate
+from jaxrl.config import ConfigError, parse_overrides, validate
 from jaxrl.configs.default import get_config
 from jaxrl.envs import AdditionTask
+from jaxrl.envs.arithmetic import add_lengths
 from test_cli import _assert_failed_before_compiling, _train
 
 TASKS = ("add", "countdown", "guess", "math")
@@ -169,7 +170,8 @@ def test_invalid_config_names_exactly_its_keys(overrides, keys, reason):
 
 
 def test_add_lengths_match_the_task():
-  # The config spells out task 'add''s lengths (it must not build the task); they must not drift.
+  # Config validation spells out task 'add''s lengths (it must not build the task); they must
+  # not drift.
   for n in (1, 2, 3):
     prompt_len, answer_len, total = add_lengths(n)
     task = AdditionTask(num_digits=n, dev_size=1, val_size=1)

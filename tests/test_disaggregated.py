@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl import trainer
+from jaxrl.data import left_pad
+from jaxrl.parts import build_parts
 from jaxrl.config import ConfigError, MeshShape
 from jaxrl.configs.default import get_config
 
@@ -70,7 +71,7 @@ def _parts(engine="static", **mesh):
   cfg = _cfg(**mesh)
   cfg.rollout.engine = engine
   cfg.rollout.num_prompts, cfg.rollout.group_size = 4, 4
-  return trainer.Parts(cfg, config_lib.validate(cfg, 8))
+  return build_parts(cfg, config_lib.validate(cfg, 8))
 
 
 def _devices(x) -> set[int]:
@@ -84,22 +85,23 @@ def test_rollout_mesh_samples_the_colocated_tokens(engine):
   """Same init params and keys: 4 rollout devices (after a reshard from the 4-device train
   mesh) and a colocated 4-device mesh sample identical tokens; the sampled arrays live on the
   rollout devices only, and the train params stay where they were."""
-  colocated = _parts(engine, data=4)
-  split = _parts(engine, data=4, rollout=4)
-  assert _devices(jax.tree.leaves(split.params)[0]) == {0, 1, 2, 3}
-  rollout_params = split.for_rollout(split.params)
+  colocated, colocated_params = _parts(engine, data=4)
+  split, split_params = _parts(engine, data=4, rollout=4)
+  assert _devices(jax.tree.leaves(split_params)[0]) == {0, 1, 2, 3}
+  rollout_params = split.for_rollout(split_params)
   assert {d for x in jax.tree.leaves(rollout_params) for d in _devices(x)} == {4, 5, 6, 7}
   assert split.for_rollout(rollout_params) is rollout_params  # already there: no copy
-  for a, b in zip(jax.tree.leaves(colocated.params), jax.tree.leaves(rollout_params)):
+  for a, b in zip(jax.tree.leaves(colocated_params), jax.tree.leaves(rollout_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   tasks = colocated.source.split("val")[:4]
-  prompts, valid = colocated.prompts(tasks)
+  prompts, valid = left_pad([colocated.tok.encode_prompt(t.prompt) for t in tasks],
+                            colocated.cfg.rollout.max_prompt_len, colocated.tok.pad_id)
   ids = np.arange(16, dtype=np.int32)
   outs = []
-  for parts, params in ((colocated, colocated.params), (split, rollout_params)):
-    out = parts.sample(params, prompts, valid, jax.random.key(3), ids, 1.0)
-    outs.append(out)
+  for parts, params in ((colocated, colocated_params), (split, rollout_params)):
+    sample = parts.train_loop().sample_first  # the training sampler, rows over the rollout mesh
+    outs.append(sample(params, prompts, valid, jax.random.key(3), ids, 1.0))
   if engine == "static":
     assert _devices(outs[1].tokens) == {4, 5, 6, 7}
   a, b = (jax.tree.map(np.asarray, o) for o in outs)

@@ -33,7 +33,7 @@ def _turns(env: str, rows, turn=0, truncated=False):
 
 def test_validate_coerces_types():
   r = StepResult(["a", ""], [1, 0], np.array([0, 1]), {"c": [True, False]}, [{}, {"x": 1}])
-  out = r.validate(2, "toy")
+  out = r.checked(2, "toy")
   assert out is r
   assert r.rewards.dtype == np.float32 and r.done.dtype == bool
   assert r.done.tolist() == [False, True]
@@ -58,7 +58,7 @@ def test_validate_rejects_and_names_env_and_field(bad, match):
   kw = dict(observations=["", ""], rewards=[0.0, 1.0], done=[True, True])
   kw.update(bad)
   with pytest.raises(ValueError, match=match) as e:
-    StepResult(**kw).validate(2, "toy")
+    StepResult(**kw).checked(2, "toy")
   assert "environment 'toy'" in str(e.value)
 
 
@@ -134,8 +134,8 @@ def test_registry_builds_each_builtin_and_names_unknown():
   assert make_env("math", use_math_verify=False).use_math_verify is False
   with pytest.raises(KeyError, match=r"unknown environment 'cowntdown'.*'countdown'"):
     make_env("cowntdown")
-  with pytest.raises(KeyError, match=r"unknown source 'nope'.*'guess'"):
-    envs.make_source("nope")
+  with pytest.raises(KeyError, match=r"unknown task 'nope'.*'guess'"):
+    envs.make_source("nope", None)
 
 
 def test_register_refuses_to_replace_a_grader():
@@ -146,8 +146,18 @@ def test_register_refuses_to_replace_a_grader():
   assert envs.ENVIRONMENTS["add"] is envs.AddEnvironment
 
 
-def test_existing_task_interface_is_unchanged():
-  assert envs.TASKS == {"add": envs.AdditionTask}
+def test_built_in_tasks_register_once_with_their_sources():
+  assert envs.task_names() == ("add", "countdown", "guess", "math")
+  assert {n: r.env for n, r in envs.TASKS.items()} == {
+      "add": envs.AddEnvironment, "countdown": envs.CountdownEnvironment,
+      "guess": envs.GuessEnvironment, "math": envs.MathEnvironment}
+  assert [n for n, r in envs.TASKS.items() if r.demonstrations] == ["add"]
+  from jaxrl.configs.default import get_config
+  cfg = get_config()
+  src = envs.make_source("add", cfg)
+  assert [t.prompt for t in src.split("val")] == [
+      p.prompt for p in envs.AdditionTask(cfg.task.num_digits, cfg.seed, cfg.task.dev_size,
+                                          cfg.task.val_size).split("val")]
   p = envs.AdditionTask(num_digits=2, seed=0).split("val")[0]
   assert isinstance(p, envs.Problem) and p.prompt.endswith("=") and len(p.prompt) == 6
 

@@ -26,6 +26,7 @@ from hf_fixtures import llama_files, qwen_files  # noqa: E402  (tests/ is on sys
 from jaxrl import config as config_lib, export, trainer  # noqa: E402
 from jaxrl.configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k  # noqa: E402
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from jaxrl.parts import build_parts, make_tokenizer  # noqa: E402
 from jaxrl.models import ModelConfig, init_model  # noqa: E402
 from jaxrl.models.hf import load_hf, save_hf  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
   model_dir, model_cfg = _model_dir(tmp_path, family)
   run_dir = tmp_path / "run"
   cfg = _recipe(model_dir, _jsonl(tmp_path), run_dir, family)
-  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  mesh = config_lib.validate(cfg, jax.device_count())
   assert (mesh.data, mesh.fsdp, mesh.tensor) == (1, 8, 1)
   summary = trainer.run(cfg, str(run_dir), mesh)
 
@@ -97,7 +98,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
   # The recipe's own lag of 1: step 1 trains on rollouts made before any update.
   assert [r["staleness/first_token/max"] for r in rl] == [0, 1, 1]
   # Prompts go through the chat template, with the model's two EOS ids.
-  tok = trainer.make_tokenizer(cfg, source=None)
+  tok = make_tokenizer(cfg, source=None)
   start_id = tok.encode(FAMILIES[family][4], add_special_tokens=False)
   assert tok.encode_prompt("Q")[:len(start_id)] == start_id and len(tok.eos_ids) == 2
   assert sorted(r["step"] for r in rows if r["phase"] == "val") == [0, 3]
@@ -133,7 +134,7 @@ def test_recipes_name_missing_files_before_building_anything(tmp_path):
     cfg.model.hf_path = str(tmp_path / "no-model")
     cfg.task.path = str(tmp_path / "no-train.jsonl")
     with pytest.raises(config_lib.ConfigError) as e:
-      config_lib.validate(cfg, 8, task_names=trainer.TASK_NAMES)
+      config_lib.validate(cfg, 8)
     text = str(e.value)
     assert "config.model.hf_path: no directory" in text and "no-model" in text
     assert "config.task.path: no file" in text
@@ -147,7 +148,7 @@ def test_hf_path_rejects_architecture_keys_and_warmup(tmp_path):
   cfg.sft.enabled = True
   cfg.task.name = "add"
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.validate(cfg, 8, task_names=trainer.TASK_NAMES)
+    config_lib.validate(cfg, 8)
   assert [p.split(":")[0] for p in e.value.problems] == ["config.model.num_layers",
                                                          "config.sft.enabled"]
   assert "character-tokenizer ids" in e.value.problems[1]
@@ -158,14 +159,14 @@ def test_broken_model_directory_is_a_config_error_naming_the_file(tmp_path):
 
   model_dir, _ = _model_dir(tmp_path)
   cfg = _recipe(model_dir, _jsonl(tmp_path), tmp_path / "run")
-  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  mesh = config_lib.validate(cfg, jax.device_count())
   weights = os.path.join(model_dir, "model.safetensors")
   tensors = load_file(weights)
   del tensors["model.layers.1.mlp.up_proj.weight"]
   save_file(tensors, weights)
   with pytest.raises(config_lib.ConfigError, match=r"config\.model\.hf_path: .*model\.safetensors: "
                      r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' is missing"):
-    trainer.Parts(cfg, mesh)
+    build_parts(cfg, mesh)
 
   path = os.path.join(model_dir, "tokenizer_config.json")
   with open(path) as f:
@@ -174,4 +175,4 @@ def test_broken_model_directory_is_a_config_error_naming_the_file(tmp_path):
   with open(path, "w") as f:
     json.dump(tok_cfg, f)
   with pytest.raises(config_lib.ConfigError, match=r"config\.model\.hf_path: .*tokenizer_config"):
-    trainer.Parts(cfg, mesh)
+    build_parts(cfg, mesh)

@@ -167,12 +167,13 @@ def test_one_env_call_per_task_per_turn_and_equal_to_per_sample_reference():
   for i, (total, turns, status, comp) in enumerate(ref):
     assert ep.rewards[i] == pytest.approx(total, abs=1e-6), i
     assert ep.turns[i] == turns, i
-    assert ep.terminated[i] == (status == "terminated") and ep.truncated[i] == (status != "terminated")
+    assert ep.terminated[i] == (status == "terminated")
+    assert ep.truncated[i] == (status != "terminated")
     n = int(ep.valid[i].sum())
     assert ep.tokens[i, :n].tolist() == comp, i
-  m = ep.metrics("val/")
-  assert m["val/terminated_frac"] == np.mean([s == "terminated" for _, _, s, _ in ref])
-  assert m["val/env_calls"] == ep.env_calls and m["val/failed_frac"] == 0.0
+  assert ep.terminated.mean() == np.mean([s == "terminated" for _, _, s, _ in ref])
+  assert ep.env_calls == sum(ep.env_calls_by_env.values()) and not ep.failed.any()
+  assert ep.fail_counts() == {}
 
 
 def test_masks_versions_and_budget():
@@ -200,7 +201,7 @@ def test_failing_env_fails_its_rows_only():
   assert not ep.mask[is_f].any()  # excluded from the loss and advantages
   assert all(r.startswith("error: env 'f' turn 0: RuntimeError: grader crashed")
              for r, f in zip(ep.fail_reasons, is_f) if f)
-  assert ep.metrics()["failed/error"] == is_f.sum()
+  assert ep.fail_counts() == {"error": is_f.sum()}
 
 
 def test_slow_env_times_out_without_hanging():
@@ -213,7 +214,7 @@ def test_slow_env_times_out_without_hanging():
   assert ep.failed[is_f].all() and not ep.failed[~is_f].any()
   assert all("timeout" in r and "env.timeout_s=0.3" in r for r, f in zip(ep.fail_reasons, is_f)
              if f)
-  assert ep.metrics()["failed/timeout"] == is_f.sum()
+  assert ep.fail_counts() == {"timeout": is_f.sum()}
 
 
 def test_unknown_environment_and_long_prompt_are_named():

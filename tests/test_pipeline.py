@@ -1,5 +1,6 @@
-"""Tests for jaxrl.pipeline: the forced-lag contract end to end with a fake engine of random
-per-request latency, plus the gate, handoff, regeneration, staleness and ring pieces alone.
+"""Tests for jaxrl.pipeline: the forced-lag contract end to end through `LagPipeline` (the object
+the trainer drives) with a fake producer of random per-request latency, plus the gate, handoff,
+regeneration and staleness pieces alone.
 
 Every blocking call here has a bound (gate stall timeouts, handoff timeouts, stop timeouts) and an
 autouse faulthandler guard kills the run with every thread's stack if a test hangs anyway.
@@ -8,23 +9,27 @@ autouse faulthandler guard kills the run with every thread's stack if a test han
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import faulthandler
 import itertools
 import random
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.pipeline import (InlineWorker, LagGate, ParamsHandoff, PipelineClosed,
+from jaxrl.pipeline import (InlineWorker, LagGate, LagPipeline, ParamsHandoff, PipelineClosed,
                             RegenerationCapError, RolloutWorker, StallError, VersionUnavailable,
-                            WorkerFailed, fill_batch, params_version, ring, staleness_metrics)
+                            WorkerFailed, fill_batch, params_version, row_versions,
+                            staleness_from_rows)
+
+
+def staleness_metrics(policy_version, mask, consumer_version) -> dict:
+  return staleness_from_rows(row_versions(policy_version, mask), consumer_version)
 
 _names = itertools.count()
 
@@ -163,22 +168,22 @@ class StatsSampler:
 
 
 def run_trainer(lag, engine, steps, train_s=0.0, quiesce=(), stall_timeout_s=10.0):
-  """The trainer loop: publish(t) -> pull() -> check -> "train" (sleep) -> next.
+  """The trainer's loop over a `LagPipeline`: publish(t) -> pull() -> check -> "train" (sleep).
 
   On steps in `quiesce` it first waits until the worker has caught up (blocked in reserve()) and
   checks the exact run-ahead. Returns (pulled items, pull start times, final stats, sampler); a
   WorkerFailed from pull propagates after the worker is stopped.
   """
-  gate = LagGate(lag, stall_timeout_s=stall_timeout_s)
-  handoff = ParamsHandoff()
-  engine.should_stop = lambda: gate.closed
   name = _name()
+  pipe = LagPipeline(engine, lag, stall_timeout_s=stall_timeout_s, name=name)
+  gate, handoff = pipe.gate, pipe.handoff
+  engine.should_stop = lambda: gate.closed
   items, pull_start = [], {}
   try:
-    with StatsSampler(gate) as sampler, RolloutWorker(gate, handoff, engine, lag, name) as worker:
-      assert worker.is_alive()
+    with StatsSampler(gate) as sampler, pipe:
+      assert pipe.worker.is_alive()
       for t in range(steps):
-        handoff.publish(t, {"version": t})
+        pipe.publish(t, {"version": t})
         expected = lag + max(t, 1)  # after t >= 1 pulls L+t batches; before any pull L+1
         if t in quiesce:
           _wait_for(lambda: gate.stats()["worker_waiting"] or gate.stats()["failed"],
@@ -191,10 +196,11 @@ def run_trainer(lag, engine, steps, train_s=0.0, quiesce=(), stall_timeout_s=10.
         # not even reserved before the trainer asks for it.
         assert gate.stats()["submitted"] <= expected
         pull_start[t] = time.monotonic()
-        batch_id, item = gate.pull()
+        batch_id, item = pipe.pull()
         items.append(item)
         assert batch_id == t == item["batch_id"]
-        handoff.prune_below(max(0, t + 1 - lag))  # what the worker can still ask for
+        # The pull pruned every version no batch can still ask for, and kept the rest.
+        assert handoff.versions == list(range(max(0, t + 1 - lag), t + 1))
         time.sleep(train_s)
       stats = gate.stats()
   finally:
@@ -303,6 +309,79 @@ def test_inline_worker_makes_the_threaded_workers_batches(lag):
     mask = np.concatenate([g["mask"] for g in item["groups"]])
     m = staleness_metrics(pv, mask, consumer_version=t)
     assert m["staleness/first_token/min"] == m["staleness/last_token/max"] == min(t, lag)
+
+
+class CountingProducer:
+  """A producer with checkpoint state: batch b is a draw of its RNG made with params `version`;
+  every batch reports one regenerated group (`counts`)."""
+
+  @dataclasses.dataclass
+  class Item:
+    batch_id: int
+    version: int
+    draw: float
+    counts: dict
+
+  def __init__(self, seed=0):
+    self.rng = np.random.default_rng(seed)
+
+  def produce(self, batch_id, params, version):
+    assert params["version"] == version
+    return self.Item(batch_id, version, float(self.rng.random()), {"regenerated": 1})
+
+  def state_dict(self):
+    return {"rng": self.rng.bit_generator.state}
+
+  def load_state_dict(self, host):
+    self.rng.bit_generator.state = host["rng"]
+
+  def encode(self, item):
+    return {"draw": np.array([item.draw])}, {"batch_id": item.batch_id, "version": item.version}
+
+  def target(self, host):
+    return {"draw": (1,)}
+
+  def decode(self, arrays, host):
+    return self.Item(host["batch_id"], host["version"], float(arrays["draw"][0]), {})
+
+
+def _drive(pipe, steps, start=0):
+  """The trainer's loop over `pipe` from `start` updates done: (batch_id, version, draw) pulled."""
+  got = []
+  for t in range(start, steps):
+    batch_id, item = pipe.pull()
+    got.append((batch_id, item.version, item.draw))
+    pipe.publish(t + 1, {"version": t + 1})
+  return got
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+@pytest.mark.parametrize("inline", [False, True])
+def test_lag_pipeline_checkpoint_resumes_exactly(lag, inline):
+  """A pipeline saved mid-run (`state_dict`) and loaded into a fresh one (`load_state_dict`)
+  delivers the same batches, versions and draws as the run that never stopped; threaded and
+  inline pipelines make the same batches; delivered items' counts reach `stats()`."""
+  steps, stop_at = 7, 3
+  with LagPipeline(CountingProducer(), lag, stall_timeout_s=10.0, inline=inline) as pipe:
+    pipe.publish(0, {"version": 0})
+    whole = _drive(pipe, steps)
+  assert [b for b, _, _ in whole] == list(range(steps))
+  assert [v for _, v, _ in whole] == [max(0, b - lag) for b in range(steps)]
+  with LagPipeline(CountingProducer(), lag, stall_timeout_s=10.0, inline=inline) as pipe:
+    pipe.publish(0, {"version": 0})
+    first = _drive(pipe, stop_at)
+    arrays, host = pipe.state_dict()  # the L batches made for later steps, none pulled
+    assert sorted(host["ring"]) == [str(b) for b in range(stop_at, stop_at + lag)]
+    assert pipe.target(host) == {b: {"draw": (1,)} for b in host["ring"]}
+    assert pipe.stats()["regenerated"] == stop_at + lag
+  resumed = LagPipeline(CountingProducer(seed=99), lag, stall_timeout_s=10.0, inline=inline)
+  resumed.load_state_dict(arrays, host)
+  with resumed:
+    resumed.publish(stop_at, {"version": stop_at})  # the next batch to make needs this one
+    rest = _drive(resumed, steps, start=stop_at)
+  assert first + rest == whole
+  with pytest.raises(RuntimeError, match="fresh gate"):
+    resumed.load_state_dict(arrays, host)
 
 
 def test_inline_worker_raises_from_catch_up_and_needs_published_params():
@@ -754,75 +833,3 @@ def test_staleness_metrics_empty_and_bad_shapes():
   assert set(m.values()) == {0.0}
   with pytest.raises(ValueError):
     staleness_metrics(np.zeros((2, 3)), np.zeros((2, 4), bool), 0)
-
-
-# --------------------------------------------------------------------------------------------
-# Pure ring ops
-
-
-def _example():
-  return {"tokens": jnp.zeros((4, 3), jnp.int32), "logp": jnp.zeros((4,), jnp.float32)}
-
-
-def _batch(k):
-  return {"tokens": jnp.full((4, 3), k, jnp.int32),
-          "logp": jnp.arange(4, dtype=jnp.float32) + 10 * k}
-
-
-def test_ring_init_push_pop():
-  r0 = ring.init(_example(), 3)
-  assert r0["tokens"].shape == (3, 4, 3) and r0["tokens"].dtype == jnp.int32
-  assert r0["logp"].shape == (3, 4) and not np.asarray(r0["logp"]).any()
-  r1 = ring.push(r0, 1, _batch(5))
-  assert not np.asarray(r0["tokens"]).any()  # functional: the old ring is untouched
-  np.testing.assert_array_equal(ring.pop(r1, 1)["logp"], [50, 51, 52, 53])
-  np.testing.assert_array_equal(ring.pop(r1, 0)["tokens"], 0)  # neighbours untouched
-  np.testing.assert_array_equal(ring.pop(r1, 2)["tokens"], 0)
-  assert [ring.slot_of(b, 3) for b in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-  with pytest.raises(IndexError):
-    ring.push(r0, 3, _batch(1))
-  with pytest.raises(ValueError, match="does not fit"):
-    ring.push(r0, 0, {"tokens": jnp.zeros((4, 3), jnp.float32), "logp": jnp.zeros(4)})
-  with pytest.raises(ValueError):
-    ring.init(_example(), 0)
-
-
-def test_ring_under_jit_with_traced_slot():
-  push = jax.jit(ring.push, donate_argnums=0)
-  pop = jax.jit(ring.pop)
-  r = ring.init(_example(), 2)
-  sizes = None
-  for b in range(5):  # wraps around: batch b overwrites batch b-2's slot
-    r = push(r, jnp.int32(ring.slot_of(b, 2)), _batch(b))
-    np.testing.assert_array_equal(pop(r, jnp.int32(b % 2))["tokens"], b)
-    # jit caches are shared per function across the session, so count growth, not size.
-    sizes = sizes or (push._cache_size(), pop._cache_size())
-  np.testing.assert_array_equal(pop(r, jnp.int32(1))["logp"], np.arange(4) + 30)  # batch 3
-  assert (push._cache_size(), pop._cache_size()) == sizes  # slot is traced: no recompiles
-
-
-def test_ring_sharded_on_8_devices(devices):
-  mesh = Mesh(np.array(devices), ("data",))
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  example = {"tokens": jax.device_put(jnp.zeros((8, 3), jnp.int32), rows),
-             "logp": jax.device_put(jnp.zeros((8,), jnp.float32), rows)}
-  r = ring.init(example, 3)
-  expected = NamedSharding(mesh, PartitionSpec(None, "data"))
-  assert r["tokens"].sharding.is_equivalent_to(expected, 3)
-  # Shape structs (what the trainer has before the first batch exists) work the same way.
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          example)
-  r_abstract = ring.init(abstract, 3)
-  assert r_abstract["logp"].shape == (3, 8) and r_abstract["logp"].dtype == jnp.float32
-  assert r_abstract["tokens"].sharding.is_equivalent_to(expected, 3)
-  # Each device holds its row of every slot: [3, 1, 3].
-  assert {s.data.shape for s in r["tokens"].addressable_shards} == {(3, 1, 3)}
-  batch = jax.device_put({"tokens": jnp.arange(24, dtype=jnp.int32).reshape(8, 3),
-                          "logp": jnp.arange(8, dtype=jnp.float32)}, rows)
-  r2 = jax.jit(ring.push)(r, jnp.int32(2), batch)
-  assert r2["tokens"].sharding.is_equivalent_to(expected, 3)
-  out = jax.jit(ring.pop)(r2, jnp.int32(2))
-  np.testing.assert_array_equal(out["tokens"], np.arange(24).reshape(8, 3))
-  np.testing.assert_array_equal(out["logp"], np.arange(8))
-  assert out["tokens"].sharding.is_equivalent_to(rows, 2)
-  np.testing.assert_array_equal(jax.jit(ring.pop)(r2, jnp.int32(0))["tokens"], 0)

@@ -4,9 +4,11 @@ import jax
 import numpy as np
 from jax._src import dispatch, monitoring
 
-from jaxrl import config as config_lib, parallel, trainer
+from jaxrl import config as config_lib, parallel
 from jaxrl.data import left_pad
 from jaxrl.configs.default import get_config
+from jaxrl.evaluation import Evaluator
+from jaxrl.parts import build_parts
 from jaxrl.types import TrainBatch
 
 
@@ -23,10 +25,10 @@ def _small_config():
 
 def test_no_recompilation_after_second_step():
   cfg = _small_config()
-  parts = trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count()))
+  parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
   from jaxrl.train_step import StepConfig, build_train_step, make_optimizer
   step_fn, init = build_train_step(parts.graphdef, make_optimizer(1e-3), StepConfig(), parts.mesh,
-                                   parts.params)
+                                   params)
   events = []
   watched = {dispatch.BACKEND_COMPILE_EVENT, dispatch.JAXPR_TRACE_EVENT}
 
@@ -36,7 +38,7 @@ def test_no_recompilation_after_second_step():
 
   monitoring.register_event_duration_secs_listener(listener)
   try:
-    per_step, prompt_lens, completion_lens = _steps(cfg, parts, step_fn, init(parts.params),
+    per_step, prompt_lens, completion_lens = _steps(cfg, parts, step_fn, init(params),
                                                     events)
   finally:
     monitoring.unregister_event_duration_listener(listener)
@@ -51,6 +53,8 @@ def test_no_recompilation_after_second_step():
 def _steps(cfg, parts, step_fn, state, events):
 
   rng = np.random.default_rng(0)
+  sample = parts.train_loop().sample_first
+  evaluator = Evaluator(parts, asynchronous=False)
   P, G, Lp = cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.rollout.max_prompt_len
   per_step, prompt_lens, completion_lens = [], set(), set()
   for step in range(1, 21):
@@ -60,7 +64,7 @@ def _steps(cfg, parts, step_fn, state, events):
     prompt_lens.update(lens.tolist())
     prompts = [list(rng.integers(2, parts.tok.vocab_size, n)) for n in lens]
     tokens, valid = left_pad(prompts, Lp, parts.tok.pad_id)
-    out = parts.sample(state.params, tokens, valid, jax.random.key(step), np.arange(P * G),
+    out = sample(state.params, tokens, valid, jax.random.key(step), np.arange(P * G),
                        1.0, 0, 1.0)
     comp, mask, lps = jax.device_get((out.tokens, out.mask, out.logprobs))
     completion_lens.update(mask.sum(1).tolist())
@@ -70,7 +74,7 @@ def _steps(cfg, parts, step_fn, state, events):
     state, m = step_fn(state, jax.device_put(batch, parallel.batch_sharding(parts.mesh)))
     jax.block_until_ready(m)
     if step % 5 == 0:
-      parts.validate(state.params)  # the multi-turn loop, data plane put and free
+      evaluator.evaluate(state.params)  # the multi-turn loop, data plane put and free
     per_step.append(len(events) - start)
 
   return per_step, prompt_lens, completion_lens

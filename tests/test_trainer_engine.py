@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl import config as config_lib, trainer
+from jaxrl.parts import build_parts
 
 from test_bad_input import _tiny_cfg
 
@@ -20,7 +21,7 @@ def _run(tmp_path, engine):
                   train__steps=3, task__name="guess+add", task__weights="1,1",
                   rollout__max_turns=3, rollout__max_prompt_len=32,
                   rollout__max_total_tokens=24, val__at_end=True)
-  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  mesh = config_lib.validate(cfg, jax.device_count())
   run_dir = tmp_path / engine
   trainer.run(cfg, str(run_dir), mesh)
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -47,16 +48,15 @@ def test_continuous_engine_is_refused_with_several_processes():
   cfg = _tiny_cfg(rollout__engine="continuous", distributed__num_processes=2,
                   distributed__coordinator_address="127.0.0.1:1234")
   with pytest.raises(config_lib.ConfigError, match="config.rollout.engine: must be 'static'"):
-    config_lib.validate(cfg, 8, task_names=trainer.TASK_NAMES)
+    config_lib.validate(cfg, 8)
 
 
 @pytest.mark.parametrize("compact", [True, False])
 def test_engine_compact_key_reaches_every_engine(compact):
   # rollout.engine_compact=false leaves the engine one decode program (all slots, whole cache).
   cfg = _tiny_cfg(rollout__engine="continuous", rollout__engine_compact=compact)
-  parts = trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count(),
-                                                 task_names=trainer.TASK_NAMES))
-  for sample in (parts.sample, parts.sample_val):
+  parts, _ = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
+  for sample in (parts.train_loop().sample_first, parts.val_loop.sample_first):
     engine = sample.engine
     assert engine.compact is compact
     full = ((engine.num_slots, None),)
@@ -72,7 +72,7 @@ def test_partial_rollouts_keep_the_forced_lag_for_first_tokens(tmp_path):
   # are never newer than the step that trains on them.
   cfg = _tiny_cfg(rollout__engine="continuous", rollout__engine_slots=4, rollout__engine_steps=1,
                   rollout__partial_rollouts=True, rollout__lag=1, train__steps=4)
-  mesh = config_lib.validate(cfg, jax.device_count(), task_names=trainer.TASK_NAMES)
+  mesh = config_lib.validate(cfg, jax.device_count())
   run_dir = tmp_path / "partial"
   trainer.run(cfg, str(run_dir), mesh)
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,6 +13,8 @@ import jax
 import pytest
 
 from jaxrl import config as config_lib, metrics as metrics_lib, trainer
+from jaxrl.envs import make_env
+from jaxrl.parts import build_parts
 
 from test_bad_input import _tiny_cfg
 from test_cli import _rl_rows, _tiny, _train
@@ -70,13 +72,13 @@ class _Flaky:
 
 def test_failing_and_stalling_environment_never_hang_training(tmp_path):
   cfg = _tiny_cfg(env__timeout_s=0.5)
-  parts = trainer.Parts(cfg, config_lib.validate(cfg, jax.device_count()))
-  flaky = _Flaky(parts.envs["add"], stall_s=3.0)
-  parts.loop.envs["add"] = flaky
+  flaky = _Flaky(make_env("add"), stall_s=3.0)
+  parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()),
+                              envs={"add": flaky})
   out = metrics_lib.MetricsWriter(str(tmp_path))
   t0 = time.monotonic()
   try:
-    trainer.rl(parts, out, metrics_lib.Progress(stream=io.StringIO()))
+    trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
   finally:
     out.close()
   rl = [r for r in out.rows if r["phase"] == "rl"]

@@ -4,6 +4,8 @@
 `Tokenizer` protocol (`pad_id`, `eos_id`, `eos_ids`, `vocab_size`, `encode`, `decode`) plus the
 chat-template side a trainer needs: `render_chat`, `encode_chat`, `encode_prompt` (what a task row
 becomes) and `encode_observation` (what an environment reply appends in a multi-turn rollout).
+The directory's files are read by `jaxrl.data.hf_files`; templates render in the sandbox of
+`jaxrl.data.chat_template`. Both errors, and the file names, are importable from here.
 
 transformers is not imported at run time; its behaviour is the reference, pinned by parity tests
 (`tests/test_hf_tokenizer.py`, `parity` marker). What we mirror, and why each piece matters:
@@ -55,279 +57,23 @@ Special ids (chosen here, documented because transformers spreads them over thre
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import re
-from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
-import numpy as np
 import tokenizers
 
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-CHAT_TEMPLATE_DIR = "additional_chat_templates"
-GENERATION_CONFIG_FILE = "generation_config.json"
-MODEL_CONFIG_FILE = "config.json"
+from jaxrl.data.chat_template import (ChatTemplateError, RaisedByTemplate, clean_messages, plain,
+                                      sandbox_environment)
+from jaxrl.data.hf_files import (  # noqa: F401 (NAMED_SPECIAL_TOKENS re-exported)
+    CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE,
+    NAMED_SPECIAL_TOKENS, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_FILE, HFTokenizerError, id_list,
+    read_chat_templates, read_json, read_special_tokens)
 
-# The named special tokens transformers exposes as `special_tokens_map` (and so to templates).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Content of the stand-in assistant turn `encode_observation` renders: it must survive templates
 # untouched (no whitespace at the ends, no think tags) and never occur in real text.
 _SENTINEL_USER = "jaxrl-user-turn-5a1f"
 _SENTINEL_ASSISTANT = "jaxrl-assistant-turn-9c3e"
-
-
-class HFTokenizerError(ValueError):
-  """A tokenizer directory whose files are missing, malformed or inconsistent."""
-
-
-class ChatTemplateError(HFTokenizerError):
-  """A chat template that is missing, does not parse, raises, or cannot do what was asked."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Jinja environment (mirrors transformers' `_compile_jinja_template`)
-# ---------------------------------------------------------------------------------------------
-
-
-class _RaisedByTemplate(jinja2.exceptions.TemplateError):
-  """`raise_exception(message)` called by the template itself (told apart from our own bugs)."""
-
-
-def _raise_exception(message):
-  raise _RaisedByTemplate(str(message))
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-  # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates want the plain JSON that
-  # transformers writes (and exposes these json.dumps options).
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-  return datetime.now().strftime(fmt)
-
-
-class _TemplateDict:
-  """`dict(...)` inside templates, without exposing the dict type itself to the sandbox."""
-
-  def __call__(self, *args, **kwargs):
-    return dict(*args, **kwargs)
-
-  def fromkeys(self, *args, **kwargs):
-    return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-  """`namespace(...)` that refuses underscore names, so templates cannot reach CPython internals."""
-
-  def __init__(*args, **kwargs):  # noqa: N805  (same signature trick as jinja's Namespace)
-    self, args = args[0], args[1:]
-    attrs = dict(*args, **kwargs)
-    for name in attrs:
-      _TemplateNamespace._check(name)
-    jinja2.utils.Namespace.__init__(self, attrs)
-
-  def __setitem__(self, name, value):
-    _TemplateNamespace._check(name)
-    jinja2.utils.Namespace.__setitem__(self, name, value)
-
-  @staticmethod
-  def _check(name):
-    if isinstance(name, str) and name.startswith("_"):
-      raise jinja2.exceptions.SecurityError(
-        f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-  """`{% generation %}...{% endgeneration %}`: marks assistant text for transformers' assistant
-  masks. We render the body unchanged; without the tag such templates would not even parse."""
-
-  tags = {"generation"}
-
-  def parse(self, parser):
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-  def _render(self, caller):
-    return caller()
-
-
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-  major, minor, patch = (int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3])
-  if (major, minor, patch) < (3, 1, 6):
-    # Chat templates come from model repositories, i.e. are untrusted code; older jinja2 has known
-    # sandbox escapes (transformers refuses them too).
-    raise ChatTemplateError(f"chat templates need jinja2>=3.1.6 (sandbox fixes); installed "
-                            f"{jinja2.__version__}")
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  env.globals["dict"] = _TemplateDict()
-  env.globals["namespace"] = _TemplateNamespace
-  return env
-
-
-def _plain(value: Any) -> Any:
-  """Template inputs rebuilt from plain JSON-like types, as transformers does before rendering:
-  arbitrary objects have methods the sandbox does not know to be dangerous."""
-  if value is None or type(value) in (str, int, float, bool):
-    return value
-  if isinstance(value, str):
-    return str.__str__(value)
-  if isinstance(value, int):
-    return int.__int__(value)
-  if isinstance(value, float):
-    return float.__float__(value)
-  if isinstance(value, Mapping):
-    return {_plain(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v) for v in value]
-  if isinstance(value, tuple):
-    return tuple(_plain(v) for v in value)
-  if isinstance(value, np.generic):
-    return _plain(value.item())
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-  return f"<{type(value).__name__}>"
-
-
-def _clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
-  """None-valued keys dropped (OpenAI-style `content=None` breaks templates that test `in`), and
-  reasoning copied to both `reasoning_content` and `thinking`, the names templates read."""
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, Mapping):
-      raise TypeError(f"message {i} is a {type(m).__name__}, not a dict with 'role' and 'content'")
-    m = _plain({k: v for k, v in m.items() if v is not None})
-    reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
-    if reasoning is not None:
-      m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-    out.append(m)
-  return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a model directory
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_json(path: str) -> dict | None:
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
-    raise HFTokenizerError(f"{path}: cannot read JSON: {e}") from e
-  if not isinstance(data, dict):
-    raise HFTokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-  return data
-
-
-def _token_string(value: Any, field: str, where: str) -> str | None:
-  """A special token as written in a config: a string, an AddedToken dict, or null."""
-  if value is None or isinstance(value, str):
-    return value
-  if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-    return value["content"]
-  raise HFTokenizerError(f"{where}: {field} must be a string, a {{\"content\": ...}} dict or null, "
-                         f"got {value!r}")
-
-
-def _special_tokens(config: dict, config_path: str, tokens_map: dict | None,
-                    map_path: str) -> tuple[dict[str, str], dict[str, str]]:
-  """-> (token name -> string, token name -> file it came from), transformers' precedence."""
-  tokens: dict[str, str | None] = {}
-  where: dict[str, str] = {}
-
-  def take(source: Mapping, path: str):
-    for key, value in source.items():
-      if key == "extra_special_tokens" and isinstance(value, Mapping):
-        take(value, path)  # model-specific named tokens, e.g. image_token
-        continue
-      if not key.endswith("_token"):
-        continue
-      if key not in NAMED_SPECIAL_TOKENS and not isinstance(value, (str, Mapping)):
-        continue  # e.g. add_bos_token: a flag, not a token
-      tokens[key] = _token_string(value, key, path)
-      where[key] = path
-
-  # Named tokens (bos_token, ...) and model-specific `*_token` strings all reach templates, as in
-  # transformers 5. special_tokens_map.json is legacy: it applies (and wins) only for configs
-  # written before `added_tokens_decoder` existed.
-  take(config, config_path)
-  if tokens_map is not None and "added_tokens_decoder" not in config:
-    take(tokens_map, map_path)
-  return {k: v for k, v in tokens.items() if v is not None}, where
-
-
-def _chat_templates(path: str, config: dict, config_path: str) -> tuple[dict[str, str],
-                                                                          dict[str, str]]:
-  """-> (name -> template, name -> where it was read), with "default" the unnamed template."""
-  templates: dict[str, str] = {}
-  where: dict[str, str] = {}
-  value = config.get("chat_template")
-  if isinstance(value, str):
-    templates["default"], where["default"] = value, f"{config_path} (chat_template)"
-  elif isinstance(value, list):
-    for i, entry in enumerate(value):
-      if not (isinstance(entry, Mapping) and isinstance(entry.get("name"), str)
-              and isinstance(entry.get("template"), str)):
-        raise HFTokenizerError(f"{config_path}: chat_template[{i}] must be a "
-                               f"{{\"name\": str, \"template\": str}} dict")
-      templates[entry["name"]] = entry["template"]
-      where[entry["name"]] = f"{config_path} (chat_template {entry['name']!r})"
-  elif value is not None:
-    raise HFTokenizerError(f"{config_path}: chat_template must be a string or a list of "
-                           f"{{\"name\", \"template\"}} dicts, got {type(value).__name__}")
-
-  # Separate files win over the config, as in transformers' from_pretrained.
-  files: dict[str, str] = {}
-  jinja_file = os.path.join(path, CHAT_TEMPLATE_FILE)
-  if os.path.isfile(jinja_file):
-    files["default"] = jinja_file
-  extra_dir = os.path.join(path, CHAT_TEMPLATE_DIR)
-  if os.path.isdir(extra_dir):
-    for name in sorted(os.listdir(extra_dir)):
-      if name.endswith(".jinja"):
-        files[name[:-len(".jinja")]] = os.path.join(extra_dir, name)
-  if files:
-    templates, where = {}, {}
-    for name, file in files.items():
-      with open(file, encoding="utf-8") as f:
-        templates[name], where[name] = f.read(), file
-  return templates, where
-
-
-def _id_list(value: Any, field: str, where: str) -> list[int]:
-  if value is None:
-    return []
-  values = value if isinstance(value, list) else [value]
-  if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-    raise HFTokenizerError(f"{where}: {field} must be a non-negative int or a list of them, "
-                           f"got {value!r}")
-  return list(values)
-
-
-# ---------------------------------------------------------------------------------------------
-# The tokenizer
-# ---------------------------------------------------------------------------------------------
 
 
 class HFTokenizer:
@@ -380,7 +126,7 @@ class HFTokenizer:
     added = self._tok.get_added_tokens_decoder()
     self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
                           max(added, default=-1) + 1)
-    gen_eos = _id_list(gen.get("eos_token_id"), "eos_token_id", generation_config_source)
+    gen_eos = id_list(gen.get("eos_token_id"), "eos_token_id", generation_config_source)
     for i in gen_eos:
       if i >= self.vocab_size:
         raise HFTokenizerError(f"{generation_config_source}: eos_token_id {i} is outside the "
@@ -393,14 +139,14 @@ class HFTokenizer:
     self.eos_id: int = self.eos_ids[0]
     pad = token_id("pad_token")
     if pad is None:
-      pad = (_id_list(gen.get("pad_token_id"), "pad_token_id", generation_config_source)
+      pad = (id_list(gen.get("pad_token_id"), "pad_token_id", generation_config_source)
              or [self.eos_id])[0]
     self.pad_id: int = pad
     self.bos_id: int | None = token_id("bos_token")
     self._eos_strings = sorted({self._tok.id_to_token(i) for i in self.eos_ids}, key=len,
                                reverse=True)
 
-    self._env = _environment() if self.chat_templates else None
+    self._env = sandbox_environment() if self.chat_templates else None
     self._compiled: dict[str, jinja2.Template] = {}  # by template source, so edits recompile
     if use_chat_template is None:
       use_chat_template = bool(self.chat_templates)
@@ -429,15 +175,15 @@ class HFTokenizer:
     except Exception as e:  # the Rust side raises plain Exception subclasses
       raise HFTokenizerError(f"{tok_file}: cannot load: {e}") from e
     config_path = os.path.join(path, CONFIG_FILE)
-    config = _read_json(config_path) or {}
+    config = read_json(config_path) or {}
     map_path = os.path.join(path, SPECIAL_TOKENS_MAP_FILE)
-    special, special_where = _special_tokens(config, config_path, _read_json(map_path), map_path)
-    templates, template_where = _chat_templates(path, config, config_path)
+    special, special_where = read_special_tokens(config, config_path, read_json(map_path), map_path)
+    templates, template_where = read_chat_templates(path, config, config_path)
     gen_path = os.path.join(path, GENERATION_CONFIG_FILE)
-    gen = _read_json(gen_path)
+    gen = read_json(gen_path)
     if gen is None:
       gen_path = os.path.join(path, MODEL_CONFIG_FILE)
-      model_config = _read_json(gen_path) or {}
+      model_config = read_json(gen_path) or {}
       gen = {k: model_config[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id")
              if k in model_config}
     return cls(tok, special_tokens=special, chat_templates=templates, generation_config=gen,
@@ -538,12 +284,12 @@ class HFTokenizer:
         if not isinstance(d, Mapping):
           raise TypeError(f"documents[{i}] is a {type(d).__name__}; give documents as dicts")
     template, where = self._template(chat_template, tools)
-    variables = {**self.special_tokens, **_plain(kwargs)}
+    variables = {**self.special_tokens, **plain(kwargs)}
     try:
-      return template.render(messages=_clean_messages(messages), tools=_plain(tools),
-                             documents=_plain(documents),
+      return template.render(messages=clean_messages(messages), tools=plain(tools),
+                             documents=plain(documents),
                              add_generation_prompt=bool(add_generation_prompt), **variables)
-    except _RaisedByTemplate as e:
+    except RaisedByTemplate as e:
       raise ChatTemplateError(f"chat template {where} raised an exception: {e.message}") from e
     except Exception as e:  # undefined attributes, sandbox refusals, type errors in the template
       raise ChatTemplateError(f"chat template {where} failed to render: "

@@ -108,7 +108,42 @@ class AddSource:
     return [self._row("train", int(i)) for i in idx]
 
 
-@register("add")
+def add_lengths(num_digits: int) -> tuple[int, int, int]:
+  """Task 'add' with n-digit operands: (prompt tokens, answer tokens, number of problems), known
+  without building the task (which permutes all of its problems): prompt "07+35=", answer up to
+  n + 1 digits then EOS, every operand pair one problem."""
+  return 2 * num_digits + 2, num_digits + 2, 100 ** num_digits
+
+
+def add_checks(values) -> list[str]:
+  """What task 'add' needs from a run config (`jaxrl.envs.registry.Registration.checks`)."""
+  if "task.num_digits" not in values:
+    return []
+  problems, p, n = [], "config.", values["task.num_digits"]
+  prompt_len, answer_len, total = add_lengths(n)
+  if values.get("rollout.max_prompt_len", prompt_len) < prompt_len:
+    problems.append(f"{p}rollout.max_prompt_len: task 'add' prompts have {prompt_len} tokens "
+                    f"with {p}task.num_digits = {n}, got {values['rollout.max_prompt_len']}")
+  if values.get("rollout.max_new_tokens", answer_len) < answer_len:
+    problems.append(f"{p}rollout.max_new_tokens: task 'add' answers need up to {answer_len} "
+                    f"tokens (with EOS) with {p}task.num_digits = {n}, got "
+                    f"{values['rollout.max_new_tokens']}")
+  if "task.dev_size" in values and "task.val_size" in values and \
+      values["task.dev_size"] + values["task.val_size"] >= total:
+    problems.append(f"{p}task.dev_size: {p}task.dev_size + {p}task.val_size = "
+                    f"{values['task.dev_size']} + {values['task.val_size']} leaves no training "
+                    f"problems: task 'add' has {total} with {p}task.num_digits = {n}")
+  return problems
+
+
+def add_source(cfg) -> AddSource:
+  """Task 'add' of a run config: `task.num_digits`, `task.dev_size`, `task.val_size`, `seed`."""
+  t = cfg.task
+  return AddSource(num_digits=t.num_digits, seed=cfg.seed, dev_size=t.dev_size,
+                   val_size=t.val_size)
+
+
+@register("add", source=add_source, checks=add_checks, demonstrations=True)
 class AddEnvironment:
   """Single turn: reward 1.0 iff the stripped response is the answer and the turn ended by EOS.
 

@@ -58,8 +58,11 @@ class StepResult:
 
   rewards[i] is the reward earned by THIS turn (the episode return is the sum over turns);
   done[i] ends the row's episode, and observations[i] is the next user message (ignored, and by
-  convention "", for a done row). `components` are optional named reward parts (logged, not
-  summed); `metadata` is optional per-row information for logs.
+  convention "", for a done row). `components` are optional named reward parts, not summed
+  into the reward: each training step logs `reward/<name>`, the mean over its rows of each row's
+  sum over turns. `metadata` is optional per-row information: its numeric values are logged per
+  step as `env/metadata/<key>` (the mean over the rows that reported the key, the last value a
+  row reported); other values are ignored.
   """
   observations: list[str]
   rewards: np.ndarray
@@ -67,7 +70,7 @@ class StepResult:
   components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   metadata: list[dict] | None = None
 
-  def validate(self, n: int, env_name: str) -> StepResult:
+  def checked(self, n: int, env_name: str) -> StepResult:
     """Checks every field has n rows and a usable type; returns self with float32/bool arrays.
 
     Raises ValueError naming the environment and the field: a wrong length would silently pair
@@ -170,7 +173,7 @@ def call_step(env: Environment | AsyncEnvironment, turns: Sequence[Turn]) -> Ste
   if not isinstance(result, StepResult):
     raise ValueError(f"environment {name!r}: step returned {type(result).__name__}, "
                      f"not StepResult")
-  return result.validate(len(turns), name)
+  return result.checked(len(turns), name)
 
 
 def _run_coroutine(make):

@@ -56,7 +56,8 @@ def grade(response: str, numbers: Sequence[int], target: int, max_len: int = exp
   return True, True, None
 
 
-@register("countdown")
+@register("countdown",
+          source=lambda cfg: CountdownSource(seed=cfg.seed, val_size=cfg.task.val_size))
 class CountdownEnvironment:
   """Single turn; see the module docstring for the rules."""
   name = "countdown"

@@ -36,7 +36,7 @@ def first_int(text: str) -> int | None:
   return int(m.group(0))
 
 
-@register("guess")
+@register("guess", source=lambda cfg: GuessSource(seed=cfg.seed))
 class GuessEnvironment:
   """Multi-turn; see the module docstring."""
   name = "guess"

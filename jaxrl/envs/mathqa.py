@@ -175,7 +175,30 @@ def math_verify_available() -> bool:
   return True
 
 
-@register("math")
+def math_checks(values) -> list[str]:
+  """Task 'math' reads its rows from `task.path` (and `task.val_path`, if set)."""
+  problems, p = [], "config."
+  if "task.path" in values:
+    path = values["task.path"]
+    if not path:
+      problems.append(f"{p}task.path: task 'math' needs a JSONL file of {{\"question\", "
+                      "\"answer\"} rows, got ''")
+    elif not os.path.isfile(path):
+      problems.append(f"{p}task.path: no file {path!r} (task 'math' reads its rows from it)")
+  if values.get("task.val_path") and not os.path.isfile(values["task.val_path"]):
+    problems.append(f"{p}task.val_path: no file {values['task.val_path']!r} (task 'math' reads "
+                    "its validation rows from it)")
+  return problems
+
+
+def math_source(cfg) -> MathSource:
+  """Task 'math' of a run config: `task.path`, `task.val_path`, `task.instruction`, `seed`."""
+  t = cfg.task
+  return MathSource.from_jsonl(t.path, val_path=t.val_path or None, seed=cfg.seed,
+                               instruction=t.instruction)
+
+
+@register("math", source=math_source, checks=math_checks)
 class MathEnvironment:
   """Single turn; see the module docstring. `use_math_verify`: None = when importable, True =
   required (ImportError otherwise), False = the exact fallback only."""

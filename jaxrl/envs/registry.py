@@ -1,30 +1,81 @@
-"""Name -> environment class, so configs and task rows can name an environment by a string.
+"""Tasks by name: the environment that grades a task's rows, the source that serves them, and
+what the task needs from a run's config. One `@register` in the task's own module is all it takes.
 
-A separate module (not `jaxrl/envs/__init__.py`) so environment modules can register themselves
-at import without importing the package that imports them.
+    @register("reverse", source=lambda cfg: ReverseSource(seed=cfg.seed))
+    class ReverseEnvironment:
+      max_turns = 1
+      def step(self, turns): ...
+
+`config.task.name` accepts every registered task (several joined by "+" mix per row), so a recipe
+file can register its own task before the run validates its config: `python -m jaxrl.train
+--config my_recipe.py` (README, "Your own task"). The registry imports no jax: config validation
+asks it.
+
+A separate module (not `jaxrl/envs/__init__.py`) so environment modules register themselves at
+import without importing the package that imports them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
+# name -> environment class (also reachable as `TASKS[name].env`).
 ENVIRONMENTS: dict[str, type] = {}
 
 
-def register(name: str) -> Callable[[type], type]:
-  """Class decorator: `@register("countdown")` makes `make_env("countdown")` build the class.
+@dataclasses.dataclass(frozen=True)
+class Registration:
+  """One task.
+
+  env: the environment class (`jaxrl.envs.base.Environment`), built by `make_env(name)`.
+  source: `source(cfg) -> TaskSource` builds the task's rows from a run config (it reads
+    `cfg.seed` and whichever `cfg.task.*` keys it wants). None: the environment grades rows that
+    come from elsewhere (it cannot be a run's `task.name`).
+  checks: `checks(values) -> [problem, ...]`, what the task needs from the config, run by
+    `jaxrl.config.validate` before anything is built. `values` maps flat keys ("task.path",
+    "rollout.max_new_tokens") to the config's values that passed their own checks (a key is absent
+    when its value is bad); each problem is one line starting with the full key ("config.x.y:").
+  demonstrations: the source has a `task` with `demonstration(problem)`, `sample(rng, n)` and a
+    `dev` split, so the supervised warm-up (`sft.*`) can run on it.
+  """
+  name: str
+  env: type
+  source: Callable[[Any], Any] | None = None
+  checks: Callable[[Mapping[str, Any]], list[str]] | None = None
+  demonstrations: bool = False
+
+
+TASKS: dict[str, Registration] = {}
+
+
+def register(name: str, *, source: Callable[[Any], Any] | None = None,
+             checks: Callable[[Mapping[str, Any]], list[str]] | None = None,
+             demonstrations: bool = False) -> Callable[[type], type]:
+  """Class decorator registering an environment class as task `name` (see `Registration`).
 
   Sets the class's `name` so a row's `Task.env` and the environment agree. Registering another
-  class under a taken name is an error: silently replacing a grader would change rewards.
+  class under a taken name is an error: silently replacing a grader would change rewards. The
+  same class again (a module imported twice, a recipe file loaded twice) replaces the entry.
   """
+  if not isinstance(name, str) or not name or "+" in name:
+    raise ValueError(f"a task name is a non-empty string without '+', got {name!r}")
+
   def deco(cls: type) -> type:
-    old = ENVIRONMENTS.get(name)
-    if old is not None and old is not cls:
-      raise ValueError(f"environment {name!r} is already registered to {old.__qualname__}")
+    old = TASKS.get(name)
+    if old is not None and old.env.__qualname__ != cls.__qualname__:
+      raise ValueError(f"task {name!r} is already registered to {old.env.__qualname__}")
     cls.name = name
     ENVIRONMENTS[name] = cls
+    TASKS[name] = Registration(name, cls, source, checks, demonstrations)
     return cls
   return deco
+
+
+def task_names() -> tuple[str, ...]:
+  """Names a run's `task.name` may use: the registered tasks that have a source."""
+  return tuple(sorted(n for n, r in TASKS.items() if r.source is not None))
 
 
 def make_env(name: str, **kwargs: Any):
@@ -34,3 +85,22 @@ def make_env(name: str, **kwargs: Any):
   except KeyError:
     raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}") from None
   return cls(**kwargs)
+
+
+def make_source(name: str, cfg: Any):
+  """The rows of task `name` for run config `cfg` (its registered `source`)."""
+  reg = TASKS.get(name)
+  if reg is None or reg.source is None:
+    raise KeyError(f"unknown task {name!r}; registered: {list(task_names())}")
+  return reg.source(cfg)
+
+
+def task_problems(names: list[str], values: Mapping[str, Any]) -> list[str]:
+  """Every registered task's `checks` for the tasks `names` (unknown names are skipped: the
+  caller reports them)."""
+  problems: list[str] = []
+  for name in names:
+    reg = TASKS.get(name)
+    if reg is not None and reg.checks is not None:
+      problems.extend(reg.checks(values))
+  return problems

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+from jaxrl.names import ADVANTAGE_ESTIMATORS
 
 
 def _stats(rewards, group_id, valid):

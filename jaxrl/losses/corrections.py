@@ -42,10 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
-               "outlier_mask", "dppo_tv")
-# Corrections that set an importance weight; two of them would double count.
-WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
+from jaxrl.names import CORRECTIONS, WEIGHTING
 _LOG_CLAMP = 20.0
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+from jaxrl.names import KL_ESTIMATORS
 
 
 def kl_estimate(lp: jax.Array, lp_base: jax.Array, estimator: str = "k2", mask=None, *,

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl.names import KL_REDUCTIONS as KL_REDUCTION_NAMES, check_registry
 from jaxrl.losses import corrections as corr
 from jaxrl.losses import stats as st
 from jaxrl.losses.kl import kl_estimate
@@ -29,7 +30,9 @@ from jaxrl.losses.mismatch import mismatch_metrics
 from jaxrl.losses.policy import policy_loss
 from jaxrl.losses.reductions import count, reduce
 
+# KL reduction name -> the loss reduction it uses.
 KL_REDUCTIONS = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean"}
+check_registry("KL_REDUCTIONS", KL_REDUCTION_NAMES, KL_REDUCTIONS)
 
 
 @dataclasses.dataclass(frozen=True)

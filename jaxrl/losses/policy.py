@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+from jaxrl.names import POLICY_LOSSES, check_registry
 
 
 class PolicyLoss(NamedTuple):
@@ -127,6 +127,7 @@ def reinforce(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array,
 
 
 POLICIES = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "reinforce": reinforce}
+check_registry("POLICY_LOSSES", POLICY_LOSSES, POLICIES)
 
 
 def policy_loss(name: str, lp, lp_old, adv, mask, **kw) -> PolicyLoss:

@@ -25,8 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-              "seq_mean_token_sum_norm")
+from jaxrl.names import REDUCTIONS
 
 
 def reduce(name: str, x: jax.Array, mask: jax.Array, norm_len: int | None = None

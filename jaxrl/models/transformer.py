@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl import names
 from jaxrl.parallel.sharding import constrain_rows
 
 # Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to
@@ -45,6 +46,7 @@ REMAT_POLICIES = {
     # recomputed.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+names.check_registry("REMAT_POLICIES", names.REMAT_POLICIES, REMAT_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,19 @@
-"""Forced-lag rollout pipeline: pure ring ops, the host gate, params handoff, rollout worker,
-in-slot regeneration, staleness accounting and the keyed row store (data plane). See `gate.py`
-for the lag contract and `data_plane.py` for the key/field/partition model."""
+"""The forced-lag rollout pipeline: the lag pipeline object (`LagPipeline`: gate, params handoff,
+rollout worker, publishing, checkpoint state), the rollout producer that makes its batches,
+in-slot regeneration, dynamic sampling, staleness accounting and the keyed row store (data plane).
+See `gate.py` for the lag contract and `data_plane.py` for the key/field/partition model."""
 
-from jaxrl.pipeline import ring
 from jaxrl.pipeline.data_plane import PARTITIONS, BatchMeta, DataPlane, balance_rows
 from jaxrl.pipeline.gate import LagGate, PipelineClosed, StallError, WorkerFailed
 from jaxrl.pipeline.handoff import ParamsHandoff, VersionUnavailable
+from jaxrl.pipeline.lag import LagPipeline
 from jaxrl.pipeline.regenerate import RegenerationCapError, fill_batch
-from jaxrl.pipeline.staleness import staleness_metrics
+from jaxrl.pipeline.staleness import row_versions, staleness_from_rows
 from jaxrl.pipeline.worker import InlineWorker, RolloutWorker, params_version
 
 __all__ = [
-    "PARTITIONS", "BatchMeta", "DataPlane", "InlineWorker", "LagGate", "ParamsHandoff", "PipelineClosed",
-    "RegenerationCapError", "RolloutWorker", "StallError", "VersionUnavailable", "WorkerFailed",
-    "balance_rows", "fill_batch", "params_version", "ring", "staleness_metrics",
+    "PARTITIONS", "BatchMeta", "DataPlane", "InlineWorker", "LagGate", "LagPipeline",
+    "ParamsHandoff", "PipelineClosed", "RegenerationCapError", "RolloutWorker", "StallError",
+    "VersionUnavailable", "WorkerFailed", "balance_rows", "fill_batch", "params_version",
+    "row_versions", "staleness_from_rows",
 ]

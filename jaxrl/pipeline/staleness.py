@@ -39,17 +39,3 @@ def staleness_from_rows(versions: dict, consumer_version) -> dict:
     for stat in ("min", "mean", "max"):
       out[f"staleness/{kind}/{stat}"] = float(getattr(v, stat)()) if v.size else 0.0
   return out
-
-
-def staleness_metrics(policy_version, mask, consumer_version) -> dict:
-  """Staleness summary of a batch.
-
-  policy_version: [B, N] ints, the params version that produced each token; mask: [B, N] bool,
-  the tokens that count (generated tokens); consumer_version: the version being trained.
-
-  Returns floats `staleness/{first_token,last_token,token_mean}/{min,mean,max}`: per row with at
-  least one masked token, the staleness of its first / last masked token and its token-mean
-  staleness, then min/mean/max over those rows. Rows without masked tokens are ignored; a batch
-  with none at all reports 0 everywhere. Accepts numpy or jax arrays (copied to host).
-  """
-  return staleness_from_rows(row_versions(policy_version, mask), consumer_version)

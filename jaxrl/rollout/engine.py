@@ -35,23 +35,12 @@ with `fold_in(fold_in(key, r), t)`, log-probs are `log_softmax(logits / T)` over
 vocabulary. The same key and request ids therefore give the same tokens as the static sampler,
 whatever the slot a request lands in or when it is admitted.
 
-`Engine.run` is the host-side driver: it keeps every slot busy, streams finished groups to
-`on_finish`, and returns rows in request order in the sampler's format plus per-token versions.
-It drives batched versions of the same computations (`make_driver_fns`) so that the host does
-little per token:
-
-- Prompts are prefilled ahead into a pool of `prefill_batch` prefixes, as many per dispatch as
-  there are free pool rows (one dispatch per length bucket), each prompt still computed alone;
-- each round of admissions (the free slots, filled with prompts' members in prompt order) is one
-  dispatch of inserts;
-- each decode dispatch also returns a snapshot of `done`, `count` and the per-token rows; the
-  host copies finished rows out of it while the next dispatch runs;
-- `Engine.plan` picks each dispatch's decode program: when at most half the slots are occupied,
-  only those (gathered into B/2, B/4 or B/8 slots); else, if `short_window` is set, the slots
-  whose positions stay under it over that many cache slots, and the few others (B/8 or B/4 of
-  them) over the whole cache. A decode step costs about its slots x the cache length they
-  attend over, so the drain of a long-tailed batch (a few long rows left) and many short rows
-  next to a few long ones both cost less than every slot over the whole cache.
+`Engine.run` is the host-side driver (`scheduler.Scheduler`): it keeps every slot busy, streams
+finished groups to `on_finish`, and returns rows in request order in the sampler's format plus
+per-token versions. It drives batched versions of the same computations (`make_driver_fns`):
+prompts prefilled ahead into a pool, one insert dispatch per round of admissions, and for each
+decode dispatch the program `Engine.plan` picks (fewer slots, or a shorter cache window, when
+that is all the occupied slots need).
 
 With `compact=False` only the full program runs, and the outputs are bit-identical to one
 `prefill` per prompt, one `insert` per row and `generate` over all slots (tested). The other
@@ -80,6 +69,7 @@ from flax import nnx
 
 from jaxrl.models.transformer import KVCache
 from jaxrl.rollout.sampler import eos_tuple, is_eos, pick_tokens
+from jaxrl.rollout.scheduler import EngineOutput, Requests, Scheduler
 
 
 class Prefix(NamedTuple):
@@ -109,16 +99,6 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # [B, N] int32, pad_id after the last generated token
   logprobs: jax.Array  # [B, N] float32, 0 after the last generated token
   versions: jax.Array  # [B, N] int32: params version that produced each token, -1 after
-
-
-class EngineOutput(NamedTuple):
-  """The static sampler's `SampleOutput` fields (host arrays) plus per-token versions."""
-
-  tokens: np.ndarray  # [R, N] int32, pad_id after EOS
-  logprobs: np.ndarray  # [R, N] float32, 0 where mask is False
-  mask: np.ndarray  # [R, N] bool: generated tokens up to and including the first EOS
-  lengths: np.ndarray  # [R] int32
-  versions: np.ndarray  # [R, N] int32 policy version per token, -1 where mask is False
 
 
 def default_buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -562,162 +542,9 @@ class Engine:
     that returns None. Without it every token is produced by `params` and stamped `version`.
     `steps` overrides `steps_per_dispatch` for this run (an array argument: no recompile).
     """
-    G, P, N, B, Q = (group_size, len(prompts), self.max_new_tokens, self.num_slots,
-                     self.pool_rows)
-    R = P * G
-    ids = np.asarray(request_ids, np.int64)
-    if G < 1 or ids.shape != (R,):
-      raise ValueError(f"run: need group_size >= 1 and one request id per row ({P} prompts x "
-                       f"{G} = {R}), got {ids.shape[0] if ids.ndim else ids} ids")
-    for p, prompt in enumerate(prompts):
-      if not 1 <= len(prompt) <= self.max_prompt_len:
-        raise ValueError(f"prompt {p} has {len(prompt)} tokens; the engine takes 1 to "
-                         f"max_prompt_len={self.max_prompt_len} (nothing is truncated)")
-    per_row = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (R,))
-    temps, ks, ps = (per_row(temperature, np.float32), per_row(top_k, np.int32),
-                     per_row(top_p, np.float32))
-    ids = ids.astype(np.int32)
+    requests = Requests.make(prompts, request_ids, temperature, top_k, top_p, group_size,
+                             self.max_prompt_len)
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
-    k = np.int32(steps or self.steps_per_dispatch)
-    lens = [len(p) for p in prompts]
-
-    out = EngineOutput(np.full((R, N), self.pad_id, np.int32), np.zeros((R, N), np.float32),
-                       np.zeros((R, N), bool), np.zeros((R,), np.int32),
-                       np.full((R, N), -1, np.int32))
-    cur_version, cur_params = int(version), params
-    if params_source is not None:
-      got = params_source()
-      if got is not None:
-        cur_version, cur_params = int(got[0]), got[1]
-    state, pool = self.init_decode_state(cur_params), self.fns.init_pool(cur_params)
-    free = collections.deque(range(B))  # slots with no request
-    slot_row: dict[int, int] = {}  # occupied slot -> row
-    slot_len, slot_count = [0] * B, [0] * B  # prompt length and tokens so far (host view)
-    free_rows = collections.deque(range(Q))  # pool rows holding no prompt still needed
-    entries = collections.deque()  # [prompt, pool row, version, members inserted], in order
-    waiting = collections.deque(range(P))
-    left_in_group = [G] * P
-    finished = 0
-    ended_rows = None  # (snapshot, [(slot, row, length)]) of the last dispatch, copied later
-
-    def prefill(batch, params):
-      """Prefills pool entries' prompts into their rows: one dispatch per length bucket."""
-      nonlocal pool
-      by_bucket = collections.defaultdict(list)
-      for e in batch:
-        by_bucket[self.bucket(lens[e[0]])].append(e)
-      for T, items in by_bucket.items():
-        # Fresh host arrays per dispatch: on CPU a dispatch may read numpy inputs in place
-        # after it returns, so they are never written again.
-        tokens = np.full((Q, T), self.pad_id, np.int32)
-        lengths, rows = np.ones((Q,), np.int32), np.zeros((Q,), np.int32)
-        for i, (p, row, _, _) in enumerate(items):
-          tokens[i, :lens[p]], lengths[i], rows[i] = prompts[p], lens[p], row
-        pool = self.fns.prefill_many(params, pool, tokens, lengths, rows, np.int32(len(items)))
-        self.stats["prefill"] += len(items)
-        self.stats["prefill_call"] += 1
-
-    def prefill_next(n):
-      """Prefills the next `n` waiting prompts into free pool rows."""
-      batch = [[waiting.popleft(), free_rows.popleft(), cur_version, 0] for _ in range(n)]
-      prefill(batch, cur_params)
-      entries.extend(batch)
-
-    def admissions():
-      """Inserts members of the prefilled prompts into the free slots, in prompt order: one
-      dispatch per round (more only if the pool must be refilled within the round)."""
-      m, used = 0, []
-
-      def insert():
-        nonlocal state, pool, m
-        if m:
-          pool, state = self.fns.insert_many(pool, state, admit_i, admit_f, np.int32(m), key)
-          self.stats["insert"] += m
-          self.stats["insert_call"] += 1
-        # The rows that dispatch read for the last time may be refilled now: the pool it
-        # returns is what the next prefill takes.
-        free_rows.extend(used)
-        m = 0
-        used.clear()
-
-      # Fresh host arrays per dispatch: on CPU a dispatch may read numpy inputs in place after
-      # it returns, so they are never written again.
-      admit_i, admit_f = np.zeros((5, B), np.int32), np.zeros((2, B), np.float32)
-      while free and (entries or waiting):
-        if not entries:
-          if not free_rows:  # every row waits for this round's inserts: do them now
-            insert()
-            admit_i, admit_f = np.zeros((5, B), np.int32), np.zeros((2, B), np.float32)
-          prefill_next(min(len(free_rows), len(waiting)))
-        e = entries[0]
-        p, row, ver, g = e
-        slot, r = free.popleft(), p * G + g
-        admit_i[:, m] = slot, row, ids[r], ks[r], ver
-        admit_f[:, m] = temps[r], ps[r]
-        m += 1
-        slot_row[slot], slot_len[slot], slot_count[slot] = r, lens[p], 1
-        e[3] += 1
-        if e[3] == G:
-          entries.popleft()
-          used.append(row)
-      insert()
-
-    def collect(snapshot, ended):
-      """Copies finished rows out of a dispatch's snapshot and reports completed groups."""
-      tokens, logprobs, versions = (np.asarray(x) for x in snapshot[1:])
-      for slot, row, n in ended:
-        out.tokens[row], out.logprobs[row], out.versions[row] = (tokens[slot], logprobs[slot],
-                                                                 versions[slot])
-        out.mask[row, :n], out.lengths[row] = True, n
-        p = row // G
-        left_in_group[p] -= 1
-        if left_in_group[p] == 0 and on_finish is not None:
-          on_finish(p, EngineOutput(*(x[p * G:(p + 1) * G] for x in out)))
-
-    while finished < R:
-      admissions()
-      # A slot holds position len + count - 1 and writes at most min(k, N - count) more.
-      live = list(slot_row)
-      groups, idx = self.plan({s: slot_len[s] + slot_count[s] - 1 + min(k, N - slot_count[s])
-                               for s in live})
-      state, snapshot = self.fns.step(cur_params, state, np.asarray(idx, np.int32),
-                                      np.int32(cur_version), k, groups=groups)
-      for x in snapshot:
-        x.copy_to_host_async()
-      self.stats["dispatch"] += 1
-      self.stats["compact"] += groups[0][0] < B and groups[0][1] is None
-      self.stats["short"] += groups == ((B, self.short_window),)
-      self.stats["split"] += len(groups) == 2
-      # Host work while the dispatch runs: copy out the previous dispatch's finished rows, and
-      # prefill the next prompts once half the pool (or all that is left to do) is free.
-      if ended_rows is not None:
-        collect(*ended_rows)
-        ended_rows = None
-      if waiting and len(free_rows) >= min(max(1, Q // 2), len(waiting)):
-        prefill_next(min(len(free_rows), len(waiting)))
-      done_count = np.asarray(snapshot[0])
-      for s in live:
-        slot_count[s] = int(done_count[1, s])
-      ended = [(s, slot_row.pop(s), slot_count[s]) for s in live if done_count[0, s]]
-      free.extend(s for s, _, _ in ended)
-      finished += len(ended)
-      if ended:
-        ended_rows = (snapshot, ended)
-      if params_source is not None and finished < R:
-        got = params_source()
-        if got is not None and int(got[0]) != cur_version:
-          cur_version, cur_params = int(got[0]), got[1]
-          if self.refresh_kv and slot_row:
-            state = self.refresh(cur_params, state)
-            self.stats["refresh"] += 1
-          # Prompts prefilled but not started are prefilled again under the new params (as if
-          # prefilled now); with `refresh_kv` a started group's remaining members too.
-          again = [e for e in entries if self.refresh_kv or e[3] == 0]
-          if again:
-            prefill(again, cur_params)
-            for e in again:
-              e[2] = cur_version
-    if ended_rows is not None:
-      collect(*ended_rows)
-    return out
+    return Scheduler(self, requests, key, np.int32(steps or self.steps_per_dispatch),
+                     int(version), params, on_finish, params_source).run()

@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop, shared by training and validation.
+"""The multi-turn rollout loop, shared by training and evaluation.
 
 Each turn: generate for every active row in one sampler call, decode the new text, then call each
 task's environment ONCE with all of its active rows (environments of different tasks run
@@ -60,7 +60,9 @@ class Episodes:
   logprobs: np.ndarray  # [B, N] float32 sampler log-probs (0 where not generated)
   policy_version: np.ndarray  # [B, N] int32 (0 where not generated)
   rewards: np.ndarray  # [B] float32 episode return; NaN for failed rows
-  components: dict[str, np.ndarray]  # [B] float32 sums of named reward parts
+  components: dict[str, np.ndarray]  # [B] float32 sums of named reward parts (NaN: failed)
+  metadata: dict[str, np.ndarray]  # [B] float32 numeric `StepResult.metadata` values, the last
+  # one an environment reported for the row (NaN where it reported none)
   turns: np.ndarray  # [B] int32 model turns taken
   terminated: np.ndarray  # [B] bool: the environment ended the episode
   truncated: np.ndarray  # [B] bool: the token budget or max_turns ended it
@@ -69,25 +71,54 @@ class Episodes:
   env_calls: int  # environment step() calls made
   env_calls_by_env: dict[str, int]
 
-  def metrics(self, prefix: str = "") -> dict[str, float]:
-    """Turn and outcome statistics over all rows."""
-    n = max(len(self.tasks), 1)
-    out = {
-        f"{prefix}turns/mean": float(self.turns.mean()) if self.turns.size else 0.0,
-        f"{prefix}turns/max": float(self.turns.max()) if self.turns.size else 0.0,
-        f"{prefix}terminated_frac": float(self.terminated.sum()) / n,
-        f"{prefix}truncated_frac": float(self.truncated.sum()) / n,
-        f"{prefix}failed_frac": float(self.failed.sum()) / n,
-        f"{prefix}env_calls": float(self.env_calls),
-    }
-    reasons: dict[str, int] = {}
+  def select(self, rows) -> Episodes:
+    """The episodes of `rows` (indices or a slice), in that order. `env_calls` and
+    `env_calls_by_env` count the calls that made the whole batch; a selection has none."""
+    idx = np.arange(len(self.tasks))[rows]
+    pick = lambda d: {k: v[idx] for k, v in d.items()}
+    return Episodes(
+        tasks=[self.tasks[i] for i in idx], prompt_tokens=self.prompt_tokens[idx],
+        prompt_valid=self.prompt_valid[idx], tokens=self.tokens[idx], valid=self.valid[idx],
+        mask=self.mask[idx], logprobs=self.logprobs[idx],
+        policy_version=self.policy_version[idx], rewards=self.rewards[idx],
+        components=pick(self.components), metadata=pick(self.metadata), turns=self.turns[idx],
+        terminated=self.terminated[idx], truncated=self.truncated[idx], failed=self.failed[idx],
+        fail_reasons=[self.fail_reasons[i] for i in idx], env_calls=0, env_calls_by_env={})
+
+  @staticmethod
+  def concat(parts: Sequence[Episodes]) -> Episodes:
+    """The rows of `parts`, one after another (components and metadata a part lacks are NaN
+    there); call counts add up."""
+    first = parts[0]
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])
+
+    def named(name):
+      keys = dict.fromkeys(k for p in parts for k in getattr(p, name))
+      return {k: np.concatenate([getattr(p, name).get(k, np.full(len(p.tasks), np.nan,
+                                                                  np.float32)) for p in parts])
+              for k in keys}
+
+    calls: dict[str, int] = {}
+    for p in parts:
+      for k, n in p.env_calls_by_env.items():
+        calls[k] = calls.get(k, 0) + n
+    return dataclasses.replace(
+        first, tasks=[t for p in parts for t in p.tasks],
+        **{f: cat(f) for f in ("prompt_tokens", "prompt_valid", "tokens", "valid", "mask",
+                               "logprobs", "policy_version", "rewards", "turns", "terminated",
+                               "truncated", "failed")},
+        components=named("components"), metadata=named("metadata"),
+        fail_reasons=[r for p in parts for r in p.fail_reasons],
+        env_calls=sum(p.env_calls for p in parts), env_calls_by_env=calls)
+
+  def fail_counts(self) -> dict[str, int]:
+    """Failed rows by kind of failure ("error", "timeout"), from `fail_reasons`."""
+    counts: dict[str, int] = {}
     for r in self.fail_reasons:
       if r is not None:
         kind = r.split(":", 1)[0]
-        reasons[kind] = reasons.get(kind, 0) + 1
-    for kind, count in reasons.items():
-      out[f"{prefix}failed/{kind}"] = float(count)
-    return out
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 class EnvTimeout(RuntimeError):
@@ -178,6 +209,7 @@ class MultiTurn:
     length = np.zeros(B, np.int64)
     rewards = np.zeros(B, np.float64)
     components: dict[str, np.ndarray] = {}
+    metadata: dict[str, np.ndarray] = {}
     turns = np.zeros(B, np.int32)
     terminated = np.zeros(B, bool)
     truncated = np.zeros(B, bool)
@@ -266,6 +298,9 @@ class MultiTurn:
           rewards[i] += float(res.rewards[j])
           for c, v in res.components.items():
             components.setdefault(c, np.zeros(B, np.float64))[i] += float(v[j])
+          for k, v in (res.metadata[j] if res.metadata is not None else {}).items():
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+              metadata.setdefault(k, np.full(B, np.nan))[i] = float(v)
           if res.done[j]:
             terminated[i], active[i] = True, False
             continue
@@ -285,10 +320,12 @@ class MultiTurn:
     mask = gen & ~failed[:, None]
     rewards = rewards.astype(np.float32)
     rewards[failed] = np.nan
+    components = {k: np.where(failed, np.nan, v).astype(np.float32) for k, v in components.items()}
     return Episodes(
         tasks=rows, prompt_tokens=np.repeat(prompts, G, 0), prompt_valid=np.repeat(pvalid, G, 0),
         tokens=tokens, valid=valid, mask=mask, logprobs=logprobs, policy_version=pversion,
-        rewards=rewards, components={k: v.astype(np.float32) for k, v in components.items()},
+        rewards=rewards, components=components,
+        metadata={k: v.astype(np.float32) for k, v in metadata.items()},
         turns=turns, terminated=terminated, truncated=truncated & ~terminated, failed=failed,
         fail_reasons=reasons, env_calls=sum(calls_by_env.values()),
         env_calls_by_env=calls_by_env)

@@ -1,4 +1,4 @@
-"""The validation thread: runs alongside the caller, results under the step they describe,
+"""The evaluation thread: runs alongside the caller, results under the step they describe,
 bounded waits, failures re-raised with their traceback, inline mode."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxrl.pipeline.validator import ValidationFailed, ValidationStalled, Validator
+from jaxrl.evaluation import EvaluationFailed, EvaluationStalled, Evaluator
 
 
 def test_async_pass_runs_alongside_and_reports_its_step():
@@ -21,7 +21,7 @@ def test_async_pass_runs_alongside_and_reports_its_step():
         gate.wait(0.05)
     return {"val/accuracy": params * 2}
 
-  v = Validator(run, asynchronous=True, max_wait_s=5.0)
+  v = Evaluator(run=run, asynchronous=True, max_wait_s=5.0)
   t0 = time.monotonic()
   v.submit(10, 0.25)
   assert time.monotonic() - t0 < 0.5  # submit did not wait for the pass
@@ -41,10 +41,10 @@ def test_next_submit_waits_at_most_max_wait_s():
     time.sleep(2.0)
     return {}
 
-  v = Validator(run, asynchronous=True, max_wait_s=0.2)
+  v = Evaluator(run=run, asynchronous=True, max_wait_s=0.2)
   v.submit(1, None)
   t0 = time.monotonic()
-  with pytest.raises(ValidationStalled, match="step 1 did not finish within val.max_wait_s=0.2"):
+  with pytest.raises(EvaluationStalled, match="step 1 did not finish within val.max_wait_s=0.2"):
     v.submit(2, None)
   assert time.monotonic() - t0 < 1.0
 
@@ -53,9 +53,9 @@ def test_failure_surfaces_with_traceback():
   def run(step, params):
     raise ZeroDivisionError("bad grader")
 
-  v = Validator(run, asynchronous=True, max_wait_s=5.0)
+  v = Evaluator(run=run, asynchronous=True, max_wait_s=5.0)
   v.submit(3, None)
-  with pytest.raises(ValidationFailed, match="ZeroDivisionError: bad grader") as info:
+  with pytest.raises(EvaluationFailed, match="ZeroDivisionError: bad grader") as info:
     v.wait()
   assert isinstance(info.value.__cause__, ZeroDivisionError)
   assert "in run" in str(info.value)  # the pass's own frame is in the message
@@ -63,7 +63,7 @@ def test_failure_surfaces_with_traceback():
 
 def test_inline_mode_runs_in_submit():
   seen = []
-  v = Validator(lambda s, p: seen.append(threading.current_thread()) or {"x": s},
+  v = Evaluator(run=lambda s, p: seen.append(threading.current_thread()) or {"x": s},
                 asynchronous=False)
   v.submit(5, None)
   assert seen == [threading.current_thread()]

@@ -1,0 +1,251 @@
+"""What each key of a run config may hold, checked one key at a time.
+
+The schema is `jaxrl.configs.default`: a key it lacks is unknown (with a suggestion), a key it
+has must be there with the default's type. `RULES` then bounds the values of well-typed keys
+(ranges, choices). `jaxrl.config.validate` runs these first and adds the checks that span
+several keys (mesh, batch divisibility, losses, tasks); `jaxrl.overrides` uses the same key
+table and suggestions for `--config.` arguments. No jax is imported here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from jaxrl.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LR_SCHEDULES,
+                         POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+PREFIX = "config."
+
+# (predicate, requirement): the requirement completes "must be ..." in a problem line.
+Rule = tuple[Callable[[Any], bool], str]
+
+
+class ConfigError(ValueError):
+  """All problems found in a config; one line each, starting with the full `config.` key."""
+
+  def __init__(self, problems: list[str]):
+    self.problems = list(problems)
+    n = len(self.problems)
+    head = f"{n} problem{'s' if n != 1 else ''} found in config:"
+    super().__init__("\n".join([head, *self.problems]))
+
+
+def _gt(lo):
+  return lambda v: v > lo, f"> {lo}"
+
+
+def _ge(lo):
+  return lambda v: v >= lo, f">= {lo}"
+
+
+def _in(lo, hi, lo_open=False, hi_open=False):
+  pred = lambda v: (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+  return pred, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def _one_of(choices):
+  return lambda v: v in choices, f"one of {sorted(choices)}"
+
+
+def _floats_ok(text: str) -> bool:
+  try:
+    w = [float(x) for x in text.split(",")]
+  except ValueError:
+    return False
+  return all(x >= 0 and x == x and x != float("inf") for x in w) and sum(w) > 0
+
+
+# (key, rule); checked only when the key exists with the right type.
+DISTRIBUTED_RULES: list[tuple[str, Rule]] = [
+    ("distributed.auto", (lambda v: True, "a bool")),
+    ("distributed.coordinator_address", (lambda v: True, "a string")),
+    ("distributed.num_processes", _ge(1)),
+    ("distributed.process_id", _ge(0)),
+    ("distributed.init_timeout_s", _gt(0)),
+]
+
+RULES: list[tuple[str, Rule]] = [
+    ("seed", _ge(0)),
+    ("log_every", _ge(1)),
+    *((f"model.{k}", _ge(1)) for k in
+      ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")),
+    ("model.vocab_size", _ge(0)),
+    ("model.head_dim", (lambda v: v % 2 == 0, "even (RoPE rotates pairs of dims)")),
+    ("model.rope_theta", _gt(0)),
+    ("model.rms_eps", _gt(0)),
+    ("model.param_dtype", _one_of(DTYPES)),
+    ("model.dtype", _one_of(DTYPES)),
+    ("model.remat", _one_of(set(REMAT_POLICIES))),
+    ("model.init_std", _gt(0)),
+    ("rollout.engine", _one_of(("static", "continuous"))),
+    ("rollout.engine_slots", _ge(0)),
+    ("rollout.engine_steps", _ge(1)),
+    ("task.num_digits", (lambda v: 1 <= v <= 4, "in [1, 4] (task 'add' permutes all 10^(2n) "
+                         "operand pairs once: 5 digits would need 80 GB)")),
+    ("task.dev_size", _ge(1)),
+    ("task.val_size", _ge(1)),
+    ("sft.learning_rate", _gt(0)),
+    ("sft.batch_size", _ge(1)),
+    ("sft.stop_accuracy", _in(0, 1)),
+    ("sft.eval_every", _ge(1)),
+    ("sft.max_steps", _ge(0)),
+    ("rollout.num_prompts", _ge(1)),
+    ("rollout.group_size", (lambda v: v >= 2, ">= 2 (group-normalised advantages need 2)")),
+    ("rollout.max_prompt_len", _ge(1)),
+    ("rollout.max_new_tokens", _ge(1)),
+    # Greedy decoding (temperature 0, or top-k 1) gives every sample of a prompt the same tokens
+    # and so the same reward: every group-normalised advantage would be 0 and nothing learned.
+    ("rollout.temperature", (lambda v: v > 0, "> 0 (greedy samples of one prompt are identical, "
+                             "so every advantage would be 0)")),
+    ("rollout.top_k", (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (top-1 sampling is greedy: "
+                       "the samples of one prompt would be identical, every advantage 0)")),
+    ("rollout.top_p", _in(0, 1, lo_open=True)),
+    ("rollout.lag", _ge(0)),
+    ("rollout.max_regenerations", _ge(0)),
+    ("rollout.stall_timeout_s", _gt(0)),
+    ("task.weights", (lambda v: v == "" or _floats_ok(v),
+                      "'' (equal) or comma-separated numbers >= 0, not all 0")),
+    ("resume", (lambda v: v in ("auto", "none") or os.path.isdir(v),
+                "'auto', 'none' or an existing directory (a run directory or its "
+                "checkpoints/)")),
+    ("data.on_bad_row", _one_of({"skip", "raise"})),
+    ("checkpoint.every", _ge(0)),
+    ("checkpoint.keep", _ge(1)),
+    ("train.max_skipped_updates", _ge(0)),
+    ("dynamic_sampling.tol", _ge(0)),
+    ("dynamic_sampling.max_gen_batches", _ge(1)),
+    ("dynamic_sampling.reward_field", _one_of(set(REWARD_FIELDS))),
+    ("train.steps", _ge(0)),
+    ("train.learning_rate", _gt(0)),
+    ("train.warmup_steps", _ge(0)),
+    ("train.lr_schedule", _one_of(set(LR_SCHEDULES))),
+    ("train.final_lr_frac", _in(0, 1)),
+    ("train.b1", _in(0, 1, hi_open=True)),
+    ("train.b2", _in(0, 1, hi_open=True)),
+    ("train.weight_decay", _ge(0)),
+    ("train.grad_clip", _gt(0)),
+    ("train.num_microbatches", _ge(0)),
+    ("train.microbatch_tokens", _ge(1)),
+    ("advantage.estimator", _one_of(set(ADVANTAGE_ESTIMATORS))),
+    ("advantage.eps", _ge(0)),
+    ("advantage.clip", _ge(0)),
+    ("loss.policy", _one_of(set(POLICY_LOSSES))),
+    ("loss.eps_low", _in(0, 1)),
+    ("loss.eps_high", _ge(0)),
+    ("loss.ratio_base", _one_of({"auto", "trainer", "rollout"})),
+    ("loss.dual_clip", (lambda v: v == 0 or v > 1, "0 (off) or > 1")),
+    ("loss.reduction", _one_of(set(REDUCTIONS))),
+    ("loss.norm_len", _ge(0)),
+    ("loss.token_tis_cap", _gt(0)),
+    ("loss.seq_tis_cap", _gt(0)),
+    *((f"loss.{k}", _ge(0)) for k in
+      ("icepop_low", "icepop_high", "seq_mask_low", "seq_mask_high", "geo_mask_low",
+       "geo_mask_high", "product_mask_low", "product_mask_high", "outlier_low", "outlier_high",
+       "dppo_delta_low", "dppo_delta_high")),
+    ("loss.seq_logprob_error_threshold",
+     (lambda v: v == 0 or v >= 1, "0 (off) or >= 1 (it bounds a mean of exp(|error|) >= 1)")),
+    ("loss.logprob_impl", _one_of({"auto", "reference", "xla", "pallas"})),
+    ("rollout_kl.coef", _ge(0)),
+    ("rollout_kl.estimator", _one_of(set(KL_ESTIMATORS))),
+    ("rollout_kl.reduction", _one_of(set(KL_REDUCTIONS))),
+    ("ref_kl.coef", _ge(0)),
+    ("ref_kl.estimator", _one_of(set(KL_ESTIMATORS))),
+    ("ref_kl.reduction", _one_of(set(KL_REDUCTIONS))),
+    ("val.every", _ge(1)),
+    ("val.batch_size", _ge(1)),
+    ("val.samples_per_prompt", _ge(1)),
+    ("val.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
+    ("val.max_wait_s", _gt(0)),
+    ("env.timeout_s", _gt(0)),
+    ("rollout.max_turns", _ge(1)),
+    ("rollout.max_total_tokens", _ge(0)),
+    *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in MESH_AXES),
+    *((f"mesh.{k}", (lambda v: v == 0 or 0 < v < 1 or (v >= 1 and float(v).is_integer()),
+                     "0, a fraction in (0, 1) or a whole number of devices"))
+      for k in ("rollout", "train")),
+    ("mesh.rollout_tensor", _ge(1)),
+    *DISTRIBUTED_RULES,
+]
+
+
+def is_section(v: Any) -> bool:
+  """A config section (a nested `ConfigDict` or mapping), as opposed to a leaf value."""
+  return isinstance(v, (ConfigDict, Mapping))
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+  """Dotted path -> value, for sections and leaves alike."""
+  out = {}
+  for k, v in cfg.items():
+    out[prefix + k] = v
+    if is_section(v):
+      out.update(flatten(v, f"{prefix}{k}."))
+  return out
+
+
+def type_ok(value: Any, ref: Any) -> bool:
+  """Whether `value` may stand where the default holds `ref` (an int is a valid float)."""
+  # bool is a subclass of int in Python, so it is excluded explicitly both ways.
+  if isinstance(ref, bool):
+    return isinstance(value, bool)
+  if isinstance(ref, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(ref, float):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  return isinstance(value, type(ref))
+
+
+def describe(value: Any) -> str:
+  """A value as a problem line names it: its type and repr, or "a section"."""
+  return "a section" if is_section(value) else f"{type(value).__name__} {value!r}"
+
+
+def unknown_key(path: str, known: Collection[str]) -> str:
+  """The problem line for an unknown key `path` of the `known` ones.
+
+  Suggests a sibling first (by spelling or initials: `lr` -> `learning_rate`), then any key.
+  """
+  msg = f"{PREFIX}{path}: unknown key"
+  parent, _, leaf = path.rpartition(".")
+  siblings = {k.rpartition(".")[2]: k for k in known
+              if k.rpartition(".")[0] == parent and k != parent}
+  initials = {"".join(w[0] for w in name.split("_") if w): full for name, full in siblings.items()}
+  close = difflib.get_close_matches(leaf, list(siblings), n=1)
+  if leaf in initials and "_" in initials[leaf]:
+    best = initials[leaf]
+  elif close:
+    best = siblings[close[0]]
+  else:
+    best = next(iter(difflib.get_close_matches(path, list(known), n=1)), None)
+  return msg + (f"; did you mean {PREFIX}{best}?" if best else "")
+
+
+def check_schema(cfg: Any, ref: Any, known: Collection[str], prefix: str,
+                 problems: list[str], good: dict[str, Any]) -> None:
+  """Compares keys and types recursively; correctly typed leaves are collected in `good`."""
+  for k, v in cfg.items():
+    path = prefix + k
+    if k not in ref:
+      problems.append(unknown_key(path, known))
+    elif is_section(ref[k]) != is_section(v):
+      want = "a section" if is_section(ref[k]) else type(ref[k]).__name__
+      problems.append(f"{PREFIX}{path}: expected {want}, got {describe(v)}")
+    elif is_section(v):
+      check_schema(v, ref[k], known, path + ".", problems, good)
+    elif not type_ok(v, ref[k]):
+      problems.append(
+          f"{PREFIX}{path}: expected {type(ref[k]).__name__}, got {describe(v)}")
+    elif isinstance(v, float) and not math.isfinite(v):
+      problems.append(f"{PREFIX}{path}: must be finite, got {v!r}")
+    else:
+      good[path] = v
+  for k in ref.keys():
+    if k not in cfg:
+      problems.append(f"{PREFIX}{prefix}{k}: missing key")

@@ -1,0 +1,58 @@
+"""`LoopState`: what the RL loop carries from step to step besides the train state and the lag
+pipeline, as one record saved and restored with one call each.
+
+A checkpoint holds the train state, the lag pipeline's state (the batches already made for later
+steps, the gate's counters, the rollout RNG and group counter) and this record (step, skipped
+updates, the evaluation results so far, the metrics line count, the warm-up summary), so a resumed
+run continues exactly as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def json_num(x):
+  """Numbers for a checkpoint's JSON: floats as repr strings (exact, NaN-safe), ints as is."""
+  return repr(float(x)) if isinstance(x, (float, np.floating)) else int(x)
+
+
+def from_json_num(x):
+  return float(x) if isinstance(x, str) else x
+
+
+@dataclasses.dataclass
+class LoopState:
+  step: int = 0  # updates done
+  skipped_updates: int = 0  # updates skipped for non-finite gradients
+  val_accuracy: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> accuracy
+  metrics_lines: int = 0  # lines in metrics.jsonl when saved
+  warmup: dict = dataclasses.field(default_factory=dict)  # the warm-up's summary
+
+  def save(self, ckpt, train_state, pipeline) -> None:
+    """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline."""
+    ring, host = pipeline.state_dict()
+    ckpt.save(self.step, {"train": train_state, "ring": ring},
+              {**host, "step": self.step, "metrics_lines": self.metrics_lines,
+               "val_accuracy": {str(k): json_num(a) for k, a in self.val_accuracy.items()},
+               "skipped_updates": self.skipped_updates,
+               "warmup": {k: json_num(x) for k, x in self.warmup.items()}})
+
+  @staticmethod
+  def restore_warmup(host: dict) -> dict:
+    """The warm-up summary a checkpoint's JSON `host` holds."""
+    return {k: from_json_num(x) for k, x in host["warmup"].items()}
+
+  @classmethod
+  def restore(cls, reader, step: int, host: dict, train_target, pipeline):
+    """Restores checkpoint `step` (its JSON `host`, from `reader.read_host()`): the pipeline is
+    loaded in place; returns `(train_state, loop_state)`."""
+    restored, _ = reader.restore(step, {"train": train_target, "ring": pipeline.target(host)})
+    pipeline.load_state_dict(restored["ring"], host)
+    return restored["train"], cls(
+        step=step, skipped_updates=host["skipped_updates"],
+        val_accuracy={int(k): from_json_num(a) for k, a in host["val_accuracy"].items()},
+        metrics_lines=host["metrics_lines"],
+        warmup=cls.restore_warmup(host))

@@ -1,0 +1,41 @@
+"""The names of jaxrl's registries, each spelled once, importable without jax.
+
+The loss library (`jaxrl.losses`), the train step's schedules and the model's remat policies
+dispatch on these names, and config validation (`jaxrl.config`, which must not import jax) checks
+a run's keys against them. A registry whose implementations do not cover exactly its names fails
+at import (`check_registry`), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# jaxrl.losses.advantages: group-relative advantage estimators.
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# jaxrl.losses.policy: per-token policy-gradient losses.
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+# jaxrl.losses.reductions: how per-token values become one loss.
+REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+              "seq_mean_token_sum_norm")
+# jaxrl.losses.kl: per-token KL estimators, and how KL terms are reduced (objective).
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_REDUCTIONS = ("token_mean", "seq_mean")
+# jaxrl.losses.corrections: off-policy corrections (joined by "+" in configs); the weighting ones
+# set an importance weight, and two of those would double count.
+CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
+               "outlier_mask", "dppo_tv")
+WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
+# jaxrl.train_step: learning-rate schedules.
+LR_SCHEDULES = ("constant", "cosine", "linear")
+# jaxrl.models.transformer: rematerialisation policies of a training forward pass.
+REMAT_POLICIES = ("none", "full", "dots")
+# Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
+REWARD_FIELDS = ("reward",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_registry(kind: str, names: tuple[str, ...], implemented: Iterable[str]) -> None:
+  """Raises if the implementations of registry `kind` are not exactly `names`, in order."""
+  got = tuple(implemented)
+  if got != names:
+    raise AssertionError(f"jaxrl.names.{kind} is {names}, but the implementations are {got}")

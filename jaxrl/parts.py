@@ -1,0 +1,212 @@
+"""What a run is built from: `build_parts(cfg, mesh_shape)` checks what the config alone could
+not (the task's rows, the model directory, the vocabulary), then builds the tokenizer, tasks,
+meshes, model and data plane, and returns them as one immutable `Parts` with the initial params.
+
+Params are not part of `Parts`: they live in the train state of the phase running (the warm-up
+returns its params, RL starts from them). Environments and the task source can be given instead
+of the config's (`envs=`, `source=`): the seam for faulty graders and injected rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+from jaxrl import config as config_lib
+from jaxrl import parallel
+from jaxrl.data import left_pad
+from jaxrl.data.sources import CheckedSource, MixedSource
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.envs import make_env, make_source
+from jaxrl.models import ModelConfig, abstract_model, init_model
+from jaxrl.models import hf as hf_lib
+from jaxrl.pipeline import DataPlane
+from jaxrl.rollout.multi_turn import Budget, MultiTurn
+from jaxrl.rollout.samplers import NewestParams, build_samplers
+from jaxrl.train_step import shard_params
+from jaxrl.types import TrainBatch
+
+
+def task_source(cfg):
+  """The task source of `task.name`: one registered task, or several joined by "+" mixed per
+  row (a source drawn per training row with `task.weights`; evaluation covers every task)."""
+  names = cfg.task.name.split("+")
+  if len(names) == 1:
+    return make_source(names[0], cfg)
+  # One weight per task is checked by config.validate.
+  weights = [float(w) for w in cfg.task.weights.split(",")] if cfg.task.weights else None
+  return MixedSource([make_source(n, cfg) for n in names], weights, seed=cfg.seed)
+
+
+def make_tokenizer(cfg, source):
+  """The model's own tokenizer with `model.hf_path`, else a character tokenizer over the task's
+  alphabet (the built-in tasks say which characters their text can hold)."""
+  if cfg.model.hf_path:
+    from jaxrl.data.hf_tokenizer import HFTokenizer, HFTokenizerError
+    try:
+      return HFTokenizer.from_dir(cfg.model.hf_path,
+                                  use_chat_template=cfg.tokenizer.chat_template,
+                                  system_prompt=cfg.tokenizer.system_prompt or None)
+    except HFTokenizerError as e:  # names the file and the field
+      raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
+  return CharTokenizer(source.alphabet)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """Everything a run is built from, before any step runs (see `build_parts`)."""
+  cfg: ConfigDict
+  task: object | None  # the warm-up's task with demonstrations and a `dev` split, if any
+  tok: object
+  envs: Mapping[str, object]
+  source: CheckedSource
+  mesh: jax.sharding.Mesh
+  rollout_mesh: jax.sharding.Mesh  # `mesh` itself when colocated
+  model_cfg: ModelConfig
+  graphdef: object
+  rollout_shardings: object
+  data: DataPlane  # rows of partitions `train` and `val`: metadata here, arrays on `mesh`
+  budget: Budget
+  val_loop: MultiTurn  # evaluation's multi-turn loop (never partial)
+
+  def train_loop(self, newest: NewestParams | None = None) -> MultiTurn:
+    """The training rollouts' multi-turn loop; `newest` is the newest-params source of partial
+    rollouts (the lag pipeline's)."""
+    s = build_samplers(self.cfg, self.graphdef, self.tok, self.rollout_mesh, newest)
+    return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,
+                     s.next_turn, parallel.distributed.fetch, self.cfg.env.timeout_s)
+
+  def for_rollout(self, params):
+    """`params` placed for generation: as they are when colocated; else a copy on the rollout
+    mesh, resharded shard by shard (no leaf is gathered whole onto one device). Params already
+    there are returned as they are."""
+    if self.rollout_mesh is self.mesh:
+      return params
+    leaf = jax.tree.leaves(params)[0]
+    if leaf.sharding == jax.tree.leaves(self.rollout_shardings)[0]:
+      return params
+    return parallel.reshard(params, self.rollout_shardings)
+
+  def row_problem(self, task) -> tuple[str, str] | None:
+    """What makes a task row unusable, as (reason, detail), or None."""
+    return row_problem(task, self.envs, self.tok, self.cfg.rollout.max_prompt_len)
+
+  def sft_batch(self, problems) -> TrainBatch:
+    """A warm-up batch: each problem's prompt and demonstration (the loss mask)."""
+    n = self.cfg.rollout.max_new_tokens
+    b = len(problems)
+    prompts, valid = left_pad([self.tok.encode_prompt(p.prompt) for p in problems],
+                              self.cfg.rollout.max_prompt_len, self.tok.pad_id)
+    tokens = np.full((b, n), self.tok.pad_id, np.int32)
+    mask = np.zeros((b, n), bool)
+    for i, p in enumerate(problems):
+      demo = self.task.demonstration(p)
+      tokens[i, :len(demo)] = demo
+      mask[i, :len(demo)] = True
+    return TrainBatch(prompts, valid, tokens, mask, np.zeros((b, n), np.float32),
+                      np.zeros(b, np.float32), np.arange(b, dtype=np.int32),
+                      np.ones(b, np.float32))
+
+
+def row_problem(task, envs, tok, max_prompt_len: int) -> tuple[str, str] | None:
+  if task.env not in envs:
+    return "unknown_task", f"task {task.env!r} is not one of {sorted(envs)}"
+  if not task.prompt.strip():
+    return "empty_prompt", "the prompt is empty"
+  try:
+    n = len(tok.encode_prompt(task.prompt))
+  except ValueError as e:
+    return "undecodable", str(e)
+  if n > max_prompt_len:
+    return "too_long", f"{n} prompt tokens, over rollout.max_prompt_len={max_prompt_len}"
+  return None
+
+
+def _model_vocab(cfg, problems: list[str]) -> tuple[int, str]:
+  """The model's vocabulary size and where it comes from (0 after a problem)."""
+  if not cfg.model.hf_path:
+    return cfg.model.vocab_size, "config.model.vocab_size"
+  config_path = os.path.join(cfg.model.hf_path, hf_lib.CONFIG_FILE)
+  try:
+    with open(config_path) as f:
+      model_cfg = hf_lib.config_from_hf(json.load(f), param_dtype=cfg.model.param_dtype,
+                                        scan_layers=cfg.model.scan_layers,
+                                        config_path=config_path)
+    return model_cfg.vocab_size, f"{config_path} vocab_size"
+  except (ValueError, NotImplementedError) as e:  # names the file and field
+    problems.append(f"config.model.hf_path: {e}")
+    return 0, ""
+
+
+def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
+                envs: Mapping[str, object] | None = None, source=None) -> tuple[Parts, object]:
+  """The parts of a run of validated config `cfg` on `mesh_shape`, and the initial params.
+
+  `envs` (name -> environment) replace the registered environments of those names; `source`
+  replaces the config's task source. Problems only the data or the model directory reveal are
+  raised together as one `ConfigError`, before anything is compiled.
+  """
+  names = cfg.task.name.split("+")
+  source = task_source(cfg) if source is None else source
+  tok = make_tokenizer(cfg, source)
+  envs = {name: (envs or {}).get(name) or make_env(name) for name in names}
+  # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with the
+  # row named, by data.on_bad_row; the validation split is checked here, before compiling.
+  checked = CheckedSource(source, lambda t: row_problem(t, envs, tok, cfg.rollout.max_prompt_len),
+                          cfg.data.on_bad_row)
+  problems = []
+  if not checked.split("val"):
+    problems.append(f"config.task.name: task {cfg.task.name!r} has no usable validation rows "
+                    f"(skipped: {checked.skipped})")
+  vocab, vocab_key = _model_vocab(cfg, problems)
+  if vocab and vocab < tok.vocab_size:
+    problems.append(f"{vocab_key}: the tokenizer needs {tok.vocab_size}, got {vocab}")
+  if mesh_shape.disaggregated and jax.process_count() > 1:
+    problems.append(
+        f"config.mesh.rollout: disaggregated rollout and train meshes run in one process for "
+        f"now, got {jax.process_count()} processes; set it to 0 (colocated)")
+  if problems:
+    raise config_lib.ConfigError(problems)
+
+  devices = jax.devices()
+  mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
+                            devices[:mesh_shape.train_devices or len(devices)])
+  # Rollouts are generated on `rollout_mesh`: the train mesh itself when colocated, else the
+  # `rollout_devices` after the train devices, params tensor-parallel and rows split over
+  # 'data'. Params reach it through `for_rollout`, which reshards shard by shard.
+  rollout_mesh = mesh
+  if mesh_shape.disaggregated:
+    first = mesh_shape.train_devices
+    rollout_mesh = parallel.make_mesh(*mesh_shape.rollout_shape,
+                                      devices[first:first + mesh_shape.rollout_devices])
+  if cfg.model.hf_path:
+    # Straight onto the mesh from the memory-mapped files; the compute dtype is the run's.
+    try:
+      model_cfg, _, params = hf_lib.load_hf(cfg.model.hf_path, mesh=mesh,
+                                            param_dtype=cfg.model.param_dtype,
+                                            scan_layers=cfg.model.scan_layers)
+    except hf_lib.HFCheckpointError as e:  # a missing shard or tensor, a wrong shape
+      raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
+    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat)
+    graphdef, _ = abstract_model(model_cfg)
+  else:
+    model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
+    graphdef, params = init_model(model_cfg, cfg.seed)
+    params = shard_params(params, mesh)
+  r = cfg.rollout
+  budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                  max_total_tokens=r.max_total_tokens or r.max_new_tokens, max_turns=r.max_turns)
+  samplers = build_samplers(cfg, graphdef, tok, rollout_mesh)
+  val_loop = MultiTurn(tok, envs, budget, cfg.val.samples_per_prompt, samplers.val,
+                       samplers.next_turn, parallel.distributed.fetch, cfg.env.timeout_s)
+  parts = Parts(cfg=cfg, task=getattr(source, "task", None), tok=tok, envs=envs, source=checked,
+                mesh=mesh, rollout_mesh=rollout_mesh, model_cfg=model_cfg, graphdef=graphdef,
+                rollout_shardings=parallel.param_shardings(params, rollout_mesh),
+                data=DataPlane(mesh), budget=budget, val_loop=val_loop)
+  return parts, params

@@ -1,0 +1,123 @@
+"""`LagPipeline`: the forced-lag pipeline as one object, driven the same way by the trainer and
+by the tests.
+
+It owns the submission gate (`LagGate`, L+1 slots), the params handoff (`ParamsHandoff`), the
+rollout worker (a supervised thread, or inline in the caller's thread, as several processes need),
+publishing, pruning and checkpoint state. A training loop is
+
+    with LagPipeline(producer, lag) as pipe:
+      pipe.publish(0, params)
+      for step in range(1, steps + 1):
+        batch_id, item = pipe.pull()      # the batch started L steps earlier (after warm-up)
+        params = train(params, item)
+        pipe.publish(step, params)
+
+Publishing version t before pulling batch t + 1 is the trainer's only duty; the pipeline then
+gives batch b exactly params version max(0, b - L) (`params_version`), so first-token staleness
+at consumption is exactly min(t, L) whatever the timing. `pull` prunes the published versions no
+batch can still ask for.
+
+`producer` makes the batches: `produce(batch_id, params, version) -> item`; for checkpoints it
+also has `state_dict()`/`load_state_dict(host)` (its RNG and counters) and is the ring's codec:
+`encode(item) -> (arrays, json)`, `target(json) -> abstract arrays`, `decode(arrays, json) ->
+item`. `state_dict()` first waits until the ring is full and the worker idle (`LagGate.quiesce`),
+so a checkpoint holds every batch already made for later steps and nothing is produced twice
+after a resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxrl.pipeline.gate import LagGate
+from jaxrl.pipeline.handoff import ParamsHandoff
+from jaxrl.pipeline.worker import InlineWorker, RolloutWorker
+
+
+class LagPipeline:
+
+  def __init__(self, producer, lag: int, *, stall_timeout_s: float = 600.0,
+               inline: bool = False, prepare: Callable | None = None,
+               handoff: ParamsHandoff | None = None, name: str = "rollout-worker"):
+    """`producer`: see the module docstring (a bare `produce` callable works without
+    checkpoints). An item with a `counts` mapping adds it to the cumulative counters of
+    `stats()` when delivered. `inline`: produce in the caller's thread just before each pull
+    (same batches, versions and staleness; no overlap). `prepare(params)`: what is published for
+    `params` (a copy the train step cannot donate, or a reshard onto the rollout mesh); default
+    as given. `handoff`: the params handoff to publish to, when the producer was built reading
+    it (partial rollouts read `handoff.latest`); default a new one."""
+    self.producer = producer
+    make = getattr(producer, "produce", producer)
+
+    def produce(batch_id: int, params, version: int):
+      item = make(batch_id, params, version)
+      for name, n in (getattr(item, "counts", None) or {}).items():
+        self.gate.add(name, n)
+      return item
+
+    self.lag = lag
+    self.gate = LagGate(lag, stall_timeout_s)
+    self.handoff = handoff or ParamsHandoff()
+    self.inline = inline
+    self.prepare = prepare or (lambda params: params)
+    self.worker = InlineWorker(self.gate, self.handoff, produce, lag) if inline else \
+        RolloutWorker(self.gate, self.handoff, produce, lag, name=name)
+
+  # ---- running -------------------------------------------------------------------------------
+
+  def __enter__(self) -> "LagPipeline":
+    self.worker.__enter__()
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> bool:
+    return self.worker.__exit__(exc_type, exc, tb)
+
+  def close(self) -> None:
+    """Stops the worker (idempotent); every wait in the pipeline wakes."""
+    self.worker.stop()
+
+  def publish(self, version: int, params):
+    """Publishes `prepare(params)` as `version`; returns what was published."""
+    published = self.prepare(params)
+    self.handoff.publish(version, published)
+    return published
+
+  def pull(self) -> tuple[int, object]:
+    """The next batch in order, `(batch_id, item)`, waiting for it (inline: producing first)."""
+    if self.inline:
+      self.worker.catch_up()
+    batch_id, item = self.gate.pull()
+    # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
+    self.handoff.prune_below(max(0, batch_id + 1 - self.lag))
+    return batch_id, item
+
+  def newest(self) -> tuple[int, object] | None:
+    """The newest published `(version, params)`: the source of partial rollouts."""
+    return self.handoff.latest()
+
+  def stats(self) -> dict:
+    """The gate's snapshot (`LagGate.stats`): slots, waits, counters."""
+    return self.gate.stats()
+
+  # ---- checkpoints ---------------------------------------------------------------------------
+
+  def state_dict(self) -> tuple[dict, dict]:
+    """`(arrays, host)`: the delivered, unpulled batches' arrays by batch id, and the JSON the
+    rest needs (gate counters, the batches' metadata, the producer's state). Waits (at most
+    `rollout.stall_timeout_s`) for the ring to fill first."""
+    items = self.gate.quiesce(self.gate.stall_timeout_s)
+    arrays, ring = {}, {}
+    for bid, item in items.items():
+      arrays[str(bid)], ring[str(bid)] = self.producer.encode(item)
+    return arrays, {**self.producer.state_dict(), "gate": self.gate.checkpoint_state(),
+                    "ring": ring}
+
+  def target(self, host: dict) -> dict:
+    """The abstract arrays `state_dict()`'s arrays restore into, from its `host`."""
+    return {bid: self.producer.target(h) for bid, h in host["ring"].items()}
+
+  def load_state_dict(self, arrays: dict, host: dict) -> None:
+    """Puts a fresh pipeline (before `__enter__`) where the checkpointed one was."""
+    ready = {int(bid): self.producer.decode(arrays[bid], h) for bid, h in host["ring"].items()}
+    self.gate.restore(host["gate"], ready)
+    self.producer.load_state_dict(host)

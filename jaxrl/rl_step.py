@@ -1,0 +1,108 @@
+"""The RL train step of a run: its static settings from the config (`rl_step_config`), the jitted
+step (`build_rl_step`), the shapes of every batch it takes (`rl_batch_spec`) and its compilation
+ahead of time on a thread (`CompileAhead`), so it overlaps the warm-up instead of following it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl import config as config_lib
+from jaxrl import losses
+from jaxrl.train_step import StepConfig, build_train_step, compile_step, make_optimizer
+from jaxrl.types import TrainBatch
+
+
+def logprob_impl(cfg) -> str | None:
+  """`loss.logprob_impl` as `StepConfig` takes it ("auto" = the backend's default)."""
+  return None if cfg.loss.logprob_impl == "auto" else cfg.loss.logprob_impl
+
+
+def rl_step_config(cfg, shards: int = 1) -> StepConfig:
+  """The RL train step's static settings from a validated run config whose batch rows are split
+  over `shards` devices (mesh data x fsdp; it sizes auto micro-batching)."""
+  lo = cfg.loss
+  bands = {f"{b}_{side}": lo[f"{b}_{side}"] for b in
+           ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
+           for side in ("low", "high")}
+  objective = losses.ObjectiveConfig(
+      policy=lo.policy,
+      ratio_base=("rollout" if cfg.rollout.lag > 0 else "trainer") if lo.ratio_base == "auto"
+      else lo.ratio_base,
+      eps_low=lo.eps_low, eps_high=lo.eps_high,
+      dual_clip=lo.dual_clip or None, correction=losses.parse_correction(lo.correction),
+      correction_params=losses.CorrectionParams(
+          token_tis_cap=lo.token_tis_cap, seq_tis_cap=lo.seq_tis_cap, **bands),
+      reduction=lo.reduction, norm_len=lo.norm_len or None,
+      rollout_kl_coef=cfg.rollout_kl.coef, rollout_kl_estimator=cfg.rollout_kl.estimator,
+      rollout_kl_reduction=cfg.rollout_kl.reduction,
+      ref_kl_coef=cfg.ref_kl.coef, ref_kl_estimator=cfg.ref_kl.estimator,
+      ref_kl_reduction=cfg.ref_kl.reduction, entropy_coef=lo.entropy_coef,
+      seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
+  a = cfg.advantage
+  return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
+                    adv_clip=a.clip or None,
+                    num_microbatches=config_lib.run_microbatches(cfg, shards),
+                    logprob_impl=logprob_impl(cfg))
+
+
+def build_rl_step(parts, params) -> tuple[Callable, Callable]:
+  """The RL train step and its state initialiser for `parts` and params like `params`
+  (`build_train_step` with the run's optimizer, schedule and step config)."""
+  cfg = parts.cfg
+  t = cfg.train
+  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                       grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                       schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
+  step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
+  return build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params)
+
+
+def rl_batch_spec(cfg) -> TrainBatch:
+  """Shapes and dtypes (`jax.ShapeDtypeStruct`) of every RL train batch of a run: P x G rows of
+  `rollout.max_prompt_len` prompt and `max_total_tokens or max_new_tokens` completion tokens, as
+  the data plane hands them to the step (None where the run keeps no such field)."""
+  r = cfg.rollout
+  b, lp, n = r.num_prompts * r.group_size, r.max_prompt_len, r.max_total_tokens or r.max_new_tokens
+  s = jax.ShapeDtypeStruct
+  return TrainBatch(
+      prompt_tokens=s((b, lp), jnp.int32), prompt_valid=s((b, lp), jnp.bool_),
+      tokens=s((b, n), jnp.int32), mask=s((b, n), jnp.bool_),
+      rollout_logprobs=s((b, n), jnp.float32) if r.logprobs else None,
+      rewards=s((b,), jnp.float32), group_id=s((b,), jnp.int32),
+      temperature=s((b,), jnp.float32), completion_valid=s((b, n), jnp.bool_))
+
+
+class CompileAhead:
+  """Compiles the RL train step on a daemon thread (`compile_step`), so that its compilation
+  overlaps the warm-up and the first batch's generation instead of following them.
+
+  Only a head start: a failure here is kept and ignored (the first real call compiles and reports
+  it), and `wait` gives up after `timeout_s`, after which the call compiles for itself.
+  """
+
+  def __init__(self, parts, step: tuple[Callable, Callable], params, timeout_s: float = 600.0):
+    self.error: BaseException | None = None
+    self.timeout_s = timeout_s
+    step_fn, init_state = step
+    spec = rl_batch_spec(parts.cfg)
+    # Shapes only, taken now: the warm-up replaces (and donates) the params while this runs.
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          params)
+
+    def work():
+      try:
+        compile_step(step_fn, init_state, params, spec)
+      except BaseException as e:  # noqa: BLE001  (reported by the real call, not here)
+        self.error = e
+
+    self._thread = threading.Thread(target=work, name="jaxrl-compile-ahead", daemon=True)
+    self._thread.start()
+
+  def wait(self) -> bool:
+    """True when the compile finished (successfully or not) within the timeout."""
+    self._thread.join(self.timeout_s)
+    return not self._thread.is_alive()
