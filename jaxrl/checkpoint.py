@@ -47,8 +47,55 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxrl.errors import UserError
+
 CHECKPOINT_SUBDIR = "checkpoints"
 _ITEMS = ("state", "host")
+# Files every finalized step holds: Orbax's step metadata, the host JSON, the state's tree
+# metadata and its OCDBT manifest.
+_STEP_FILES = ("_CHECKPOINT_METADATA", "host/metadata", "state/_METADATA", "state/manifest.ocdbt")
+
+
+class CheckpointError(UserError):
+  """A checkpoint that cannot be used (unreadable, or none left to resume from), or a save that
+  failed; the message names the path and the cause."""
+
+
+def _os_cause(e: BaseException) -> BaseException:
+  """The innermost OSError in `e`'s chain (the disk's own words), else `e`."""
+  seen = e
+  while seen is not None:
+    if isinstance(seen, OSError):
+      return seen
+    seen = seen.__cause__ or seen.__context__
+  return e
+
+
+def step_problem(directory: str, step: int) -> str | None:
+  """What makes finalized checkpoint `step` of `directory` unusable, or None.
+
+  Checked without reading the arrays: every file a step holds is there (`_STEP_FILES`), the host
+  JSON and the state metadata parse, and no array data file is empty. Truncated array data is
+  found by the restore itself (`Checkpointer.restore` raises `CheckpointError`).
+  """
+  root = os.path.join(_abs(directory), str(step))
+  for rel in _STEP_FILES:
+    if not os.path.isfile(os.path.join(root, rel)):
+      return f"{rel} is missing"
+  for rel in ("host/metadata", "state/_METADATA"):
+    try:
+      with open(os.path.join(root, rel), "rb") as f:
+        got = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:
+      return f"{rel} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(got, dict):
+      return f"{rel} is not a JSON object"
+  for top, _, files in os.walk(os.path.join(root, "state")):
+    for name in files:
+      path = os.path.join(top, name)
+      if os.path.basename(top) == "d" and os.path.getsize(path) == 0:
+        return f"{os.path.relpath(path, root)} is empty"
+  return None
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -130,9 +177,26 @@ class Checkpointer:
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host))))
 
   def wait(self) -> None:
-    """Blocks until pending async saves are durable (renamed to their step); re-raises their
-    errors."""
-    self._mngr.wait_until_finished()
+    """Blocks until pending async saves are durable (renamed to their step); a failed one raises
+    `CheckpointError` naming the directory and the OS error."""
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001  (Orbax wraps the writer's error)
+      raise self._save_failed(e) from e
+
+  def check(self) -> None:
+    """Raises `CheckpointError` if a background save has failed (without waiting for one in
+    flight): called every step, so a full disk stops the run at once, not at the next save."""
+    try:
+      self._mngr.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+      raise self._save_failed(e) from e
+
+  def _save_failed(self, e: BaseException) -> CheckpointError:
+    cause = _os_cause(e)
+    return CheckpointError(f"saving a checkpoint in {self.directory} failed: "
+                           f"{type(cause).__name__}: {cause}; the checkpoints already there are "
+                           "intact")
 
   def all_steps(self) -> list[int]:
     """Finalized steps, oldest first (an in-flight save is not listed)."""
@@ -158,8 +222,12 @@ class Checkpointer:
     saves are waited for, so a step saved by this process is readable.
     """
     step = self._existing(step)
-    out = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
+    try:
+      out = self._mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
+    except (ValueError, OSError, RuntimeError) as e:  # truncated or corrupt files
+      msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+      raise UnreadableStep(self.directory, step, f"{type(e).__name__}: {msg}") from e
     return out.state, out.host
 
   def restore_params(self, step: int | None, target) -> tuple[int, object]:
@@ -198,6 +266,43 @@ class Checkpointer:
     self._mngr.close()
 
 
+class UnreadableStep(CheckpointError):
+  """Checkpoint `step` of `directory` could not be read (`reason`)."""
+
+  def __init__(self, directory: str, step: int, reason: str):
+    self.directory, self.step, self.reason = directory, step, reason
+    super().__init__(f"checkpoint {os.path.join(directory, str(step))} is unreadable: {reason}")
+
+
+def choose_step(directory: str, step: int | None = None, *, exclude=(), say=print
+                ) -> tuple[int, dict]:
+  """`(step, host)`: checkpoint `step` of `directory` if given, else the newest usable one.
+
+  An unusable step (`step_problem`) is reported through `say` in one line and the next older one
+  is tried; steps in `exclude` (found unreadable by a restore, reported then) are skipped. A named
+  `step` that is unusable, or no usable step at all, raises `CheckpointError`.
+  """
+  steps = complete_steps(directory)
+  if step is not None:
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint of step {step} in {directory} (steps: {steps})")
+    steps = [step]
+  for s in sorted(steps, reverse=True):
+    if s in exclude and step is None:
+      continue
+    problem = "its arrays could not be read" if s in exclude else step_problem(directory, s)
+    if problem is None:
+      with open(os.path.join(_abs(directory), str(s), "host", "metadata"), "rb") as f:
+        return s, json.loads(f.read().decode("utf-8"))
+    where = os.path.join(directory, str(s))
+    if step is not None:
+      raise CheckpointError(f"checkpoint {where} is unusable: {problem}")
+    say(f"checkpoint {where} is unusable ({problem}); trying the one before it")
+  raise CheckpointError(f"no usable checkpoint in {directory} (steps {steps}); start over with "
+                        "--config.resume=none --config.overwrite=true, or resume from another "
+                        "directory")
+
+
 def abstract_like(state):
   """`jax.ShapeDtypeStruct(shape, dtype, sharding)` per leaf: a restore target without memory.
 
@@ -215,36 +320,37 @@ def abstract_like(state):
   return jax.tree.map(leaf, state)
 
 
-def resolve_resume(resume: str, run_dir: str) -> str | None:
-  """The checkpoint directory a run resumes from, or None to start fresh.
+def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None] | None:
+  """`(checkpoint directory, step or None for its newest usable)` a run resumes from, or None to
+  start fresh.
 
   - "none": start fresh (even if the run directory holds checkpoints).
   - "auto": the run's own checkpoint directory if it holds a finished checkpoint, else None, so
     a restarted (e.g. preempted) run continues where it was and a new run starts.
-  - anything else: a checkpoint directory, or a run directory holding one; it must exist and hold
-    a finished checkpoint (FileNotFoundError naming the path otherwise): asking to resume from
-    something that is not there is a mistake, not a fresh start.
+  - anything else: a checkpoint directory, a run directory holding one, or one step of it
+    (`<run_dir>/checkpoints/<step>`); it must exist and hold a finished checkpoint
+    (`CheckpointError` naming the path otherwise): asking to resume from something that is not
+    there is a mistake, not a fresh start.
   """
   if resume == "none":
     return None
   if resume == "auto":
     own = _abs(checkpoint_dir(run_dir))
-    return own if epath.Path(own).exists() and complete_steps(own) else None
-  path = _abs(resume)
+    return (own, None) if epath.Path(own).exists() and complete_steps(own) else None
+  path = _abs(resume).rstrip("/")
   if not epath.Path(path).exists():
-    raise FileNotFoundError(f"resume path {resume!r} does not exist")
+    raise CheckpointError(f"resume path {resume!r} does not exist")
   if not epath.Path(path).is_dir():
-    raise FileNotFoundError(f"resume path {resume!r} is not a directory")
+    raise CheckpointError(f"resume path {resume!r} is not a directory")
   if complete_steps(path):
-    return path
+    return path, None
   nested = _abs(checkpoint_dir(path))
   if epath.Path(nested).exists() and complete_steps(nested):
-    return nested
-  hint = ""
-  parent = os.path.dirname(path.rstrip("/"))
-  if os.path.basename(path.rstrip("/")).isdigit() and complete_steps(parent):
-    hint = f" (it is one step; pass its checkpoint directory {parent})"
-  raise FileNotFoundError(f"resume path {resume!r} holds no complete checkpoint{hint}")
+    return nested, None
+  parent, name = os.path.dirname(path), os.path.basename(path)
+  if name.isdigit() and int(name) in complete_steps(parent):
+    return parent, int(name)
+  raise CheckpointError(f"resume path {resume!r} holds no complete checkpoint")
 
 
 def numpy_rng_state(rng: np.random.Generator) -> dict:

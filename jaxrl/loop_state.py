@@ -27,9 +27,11 @@ def from_json_num(x):
 class LoopState:
   step: int = 0  # updates done
   skipped_updates: int = 0  # updates skipped for non-finite gradients
+  consecutive_skipped: int = 0  # of which the last ones in a row
   val_accuracy: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> accuracy
   metrics_lines: int = 0  # lines in metrics.jsonl when saved
   warmup: dict = dataclasses.field(default_factory=dict)  # the warm-up's summary
+  config: dict = dataclasses.field(default_factory=dict)  # the config keys the state depends on
 
   def save(self, ckpt, train_state, pipeline) -> None:
     """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline."""
@@ -38,7 +40,9 @@ class LoopState:
               {**host, "step": self.step, "metrics_lines": self.metrics_lines,
                "val_accuracy": {str(k): json_num(a) for k, a in self.val_accuracy.items()},
                "skipped_updates": self.skipped_updates,
-               "warmup": {k: json_num(x) for k, x in self.warmup.items()}})
+               "consecutive_skipped": self.consecutive_skipped,
+               "warmup": {k: json_num(x) for k, x in self.warmup.items()},
+               "config": self.config})
 
   @staticmethod
   def restore_warmup(host: dict) -> dict:
@@ -53,6 +57,7 @@ class LoopState:
     pipeline.load_state_dict(restored["ring"], host)
     return restored["train"], cls(
         step=step, skipped_updates=host["skipped_updates"],
+        consecutive_skipped=host.get("consecutive_skipped", 0),
         val_accuracy={int(k): from_json_num(a) for k, a in host["val_accuracy"].items()},
         metrics_lines=host["metrics_lines"],
-        warmup=cls.restore_warmup(host))
+        warmup=cls.restore_warmup(host), config=host.get("config", {}))

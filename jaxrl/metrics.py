@@ -42,7 +42,10 @@ class MetricsWriter:
       with open(self.path, "w") as f:
         f.write("".join(line + "\n" for line in lines))
       self.rows = [json.loads(line) for line in lines]
-    self._f = None if self.path is None else open(self.path, "a", buffering=1)
+    # A fresh run's file must not exist (jaxrl.run_dir moves a previous run aside): "x" makes a
+    # mistake there an error instead of two runs appended into one file.
+    mode = "a" if keep_lines is not None else "x"
+    self._f = None if self.path is None else open(self.path, mode, buffering=1)
 
   def write(self, row: dict) -> None:
     row = {k: _plain(v) for k, v in row.items()}
@@ -97,6 +100,21 @@ class Timer:
 
   def __call__(self) -> float:
     return time.perf_counter() - self.t0
+
+
+def finish(run_dir: str, summary: dict, rows: list[dict], title: str, progress: Progress) -> None:
+  """A finished run's curves.png and summary.json, and its last console lines."""
+  write_chart(os.path.join(run_dir, "curves.png"), rows, title)
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  how = (f"resumed at step {summary['resumed_from_step']}" if "resumed_from_step" in summary
+         else f"{summary.get('sft/time_s', 0):.0f} s warm-up")
+  progress.say(
+      f"\nheld-out accuracy: {summary['val/accuracy_before_rl']:.3f} before RL -> "
+      f"{summary['val/accuracy_after_rl']:.3f} after {summary['rl/steps']} RL steps "
+      f"({summary['val/rl_gain']:+.3f})\n"
+      f"time: {summary['total_time_s']:.0f} s total ({how}, {summary['rl/time_s']:.0f} s RL)\n"
+      f"wrote {run_dir}/metrics.jsonl, curves.png, summary.json, config.json")
 
 
 def write_chart(path: str, rows: list[dict], title: str) -> None:

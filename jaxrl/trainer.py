@@ -26,12 +26,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from jaxrl import checkpoint, export
 from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
+from jaxrl import run_dir as run_dir_lib
 from jaxrl.evaluation import Evaluator
 from jaxrl.loop_state import LoopState
 from jaxrl.parts import Parts, build_parts
@@ -40,29 +42,9 @@ from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.producer import RingItem, RolloutProducer, train_fields
 from jaxrl.pipeline.staleness import staleness_from_rows
 from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl
+from jaxrl.signals import Stop  # noqa: F401  (python -m jaxrl.train installs it)
 from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, to_rows
 from jaxrl.types import TrainBatch
-
-
-class Stop:
-  """Set by SIGTERM / SIGINT (preemption, Ctrl-C): the run checkpoints and exits cleanly.
-
-  The handler only records the signal; the trainer acts on it between steps. A second signal
-  restores the default handlers, so a second Ctrl-C interrupts at once.
-  """
-
-  def __init__(self):
-    self.signal: int | None = None
-
-  def __call__(self) -> bool:
-    return self.signal is not None
-
-  def handler(self, signum, frame) -> None:
-    import signal as signal_lib
-    if self.signal is not None:
-      signal_lib.signal(signal_lib.SIGINT, signal_lib.default_int_handler)
-      signal_lib.signal(signal_lib.SIGTERM, signal_lib.SIG_DFL)
-    self.signal = signum
 
 
 class TrainingHalted(RuntimeError):
@@ -181,7 +163,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
                                                      else None))
   pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s, inline=not single,
                      prepare=prepare, handoff=handoff)
-  loop = LoopState(warmup=dict(warm or {}))
+  loop = LoopState(warmup=dict(warm or {}), config=run_dir_lib.checkpoint_config(cfg))
   timer = metrics_lib.Timer()
   if resume is not None:
     reader, start, host = resume
@@ -223,7 +205,9 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         del batch, arrays
         parts.data.discard(item.meta)  # the step consumed these rows
         loop.step = step
-        loop.skipped_updates += int(m["skipped_nonfinite"])
+        skipped = int(m["skipped_nonfinite"])
+        loop.skipped_updates += skipped
+        loop.consecutive_skipped = loop.consecutive_skipped + 1 if skipped else 0
         published = pipe.publish(step, state.params)
         if step % v.every == 0 or (v.at_end and step == t.steps):
           evaluator.submit(step, published)
@@ -233,16 +217,24 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         out.write(row)
         log_evaluations(evaluator.poll())
         acc = loop.val_accuracy[max(loop.val_accuracy)] if loop.val_accuracy else float("nan")
+        skips = f" | {loop.skipped_updates} skipped" if loop.skipped_updates else ""
         progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
-                        f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s")
-        halt = t.max_skipped_updates and loop.skipped_updates > t.max_skipped_updates
+                        f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s{skips}")
+        if ckpt is not None:
+          ckpt.check()  # a failed background save stops the run now, not at the next save
+        halt = None
+        if t.max_skipped_updates and loop.skipped_updates > t.max_skipped_updates:
+          halt = (f"{loop.skipped_updates} updates were skipped for non-finite gradients, more "
+                  f"than train.max_skipped_updates={t.max_skipped_updates}")
+        elif t.max_consecutive_skipped and loop.consecutive_skipped >= t.max_consecutive_skipped:
+          halt = (f"the last {loop.consecutive_skipped} updates (to step {step}) were all skipped "
+                  "for non-finite gradients (train.max_consecutive_skipped="
+                  f"{t.max_consecutive_skipped})")
         if (c.every and step % c.every == 0) or step == t.steps or stop() or halt:
           save()
         if halt:
-          raise TrainingHalted(
-              f"{loop.skipped_updates} updates were skipped for non-finite gradients, more than "
-              f"train.max_skipped_updates={t.max_skipped_updates}; checkpoint of step {step} "
-              "saved. Check the rewards and the learning rate, then resume.")
+          raise TrainingHalted(f"{halt}; checkpoint of step {step} saved. Check the rewards, "
+                               "the sampling temperature and the learning rate, then resume.")
         if stop():
           stopped_at = step
           break
@@ -255,47 +247,45 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   acc = loop.val_accuracy
   return state.params, {"val/accuracy_before_rl": acc.get(0, float("nan")),
                         "val/accuracy_after_rl": acc[max(acc)] if acc else float("nan"),
-                        "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at}
+                        "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at,
+                        "train/skipped_updates": loop.skipped_updates}
 
 
 def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None) -> dict:
   """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json, and
   checkpoints under `<run_dir>/checkpoints`.
 
-  `resume` (auto | none | a path) picks a checkpoint to continue from: the run then skips the
-  warm-up, and, when the checkpoint is this run directory's own, cuts `metrics.jsonl` back to
-  the lines written when it was saved, so the resumed run's metrics continue the file exactly.
-  With several processes every process runs this whole function (the same computations in the
-  same order); only process 0 prints and writes files. `stop()` true (a signal) makes the run
+  The data, model files and tokenizer are checked (and the model built) before anything is
+  written. The run then owns `run_dir` (`jaxrl.run_dir`: a lock, one run per directory) and
+  decides how it starts (`run_dir.decide`): from a checkpoint (`resume`: auto | none | a path or
+  one step of it; the newest usable one, checked against the config), its own checkpoint's
+  metrics.jsonl cut back to the lines written when it was saved, so the resumed run continues the
+  file exactly; or fresh, a previous run moved aside. config.json is written only then. With
+  several processes every process runs this whole function (the same computations in the same
+  order); only process 0 prints and writes files. `stop()` true (a signal) makes the run
   checkpoint and return early with `rl/stopped_at` set.
   """
   total = metrics_lib.Timer()
   main = parallel.distributed.is_main()
-  own_dir = checkpoint.checkpoint_dir(run_dir)
-  resume_dir = checkpoint.resolve_resume(cfg.resume, run_dir)
-  c = cfg.checkpoint
-  ckpt = checkpoint.Checkpointer(own_dir, keep=c.keep, async_save=c.async_save)
-  resume = None
-  keep_lines = None
-  if resume_dir is not None:
-    same = os.path.abspath(resume_dir) == os.path.abspath(own_dir)
-    reader = ckpt if same else checkpoint.Checkpointer(resume_dir, read_only=True)
-    rstep, host = reader.read_host()
-    resume = (reader, rstep, host)
-    keep_lines = host["metrics_lines"] if same else None
-  if main:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(cfg), f, indent=2)
-    if cfg.model.hf_path:
-      # What `python -m jaxrl.export` needs besides the weights, kept with the run so the export
-      # does not depend on the starting directory still being there.
-      export.copy_metadata(cfg.model.hf_path, os.path.join(run_dir, export.METADATA_DIR))
+  parts, params = build_parts(cfg, mesh_shape)
   quiet = None if main else open(os.devnull, "w")
   progress = metrics_lib.Progress(stream=quiet, every=cfg.log_every)
-  out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=keep_lines)
+  lock = run_dir_lib.RunDirLock(run_dir).acquire() if main else None
+  ckpt = out = reader = None
   try:
-    parts, params = build_parts(cfg, mesh_shape)
+    start = run_dir_lib.decide(cfg, run_dir, progress.say, write=main)
+    if jax.process_count() > 1:  # process 0 has moved a previous run aside
+      multihost_utils.sync_global_devices("jaxrl-run-dir")
+    if main:
+      with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(config_lib.to_dict(cfg), f, indent=2)
+      if cfg.model.hf_path:
+        # What `python -m jaxrl.export` needs besides the weights, kept with the run so the export
+        # does not depend on the starting directory still being there.
+        export.copy_metadata(cfg.model.hf_path, os.path.join(run_dir, export.METADATA_DIR))
+    own_dir = checkpoint.checkpoint_dir(run_dir)
+    ckpt = checkpoint.Checkpointer(own_dir, keep=cfg.checkpoint.keep,
+                                   async_save=cfg.checkpoint.async_save)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
@@ -309,15 +299,33 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     # One process: compile the RL step while the warm-up runs (several processes compile in
     # lockstep on the main thread, as they launch everything else).
     ahead = CompileAhead(parts, rl_step, params) if jax.process_count() == 1 else None
-    if resume is not None:
-      warm = LoopState.restore_warmup(resume[2])
-    else:
-      params, warm = warmup(parts, params, out, progress, stop)
-      if warm.get("sft/stopped"):
-        return warm
-    params, rl_summary = rl(parts, params, out, progress, ckpt=ckpt, resume=resume, warm=warm,
-                            stop=stop, rl_step=rl_step, ahead=ahead)
+    unreadable: set[int] = set()
+    while True:
+      out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=start.keep_lines)
+      resume = None
+      if start.resume is not None:
+        directory, step, host = start.resume
+        same = os.path.abspath(directory) == os.path.abspath(own_dir)
+        reader = ckpt if same else checkpoint.Checkpointer(directory, read_only=True)
+        resume = (reader, step, host)
+        warm = LoopState.restore_warmup(host)
+      else:
+        params, warm = warmup(parts, params, out, progress, stop)
+        if warm.get("sft/stopped"):
+          return warm
+      try:
+        params, rl_summary = rl(parts, params, out, progress, ckpt=ckpt, resume=resume,
+                                warm=warm, stop=stop, rl_step=rl_step, ahead=ahead)
+        break
+      except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
+        progress.say(f"{e}; trying the one before it")
+        unreadable.add(e.step)
+        out.close()
+        start = run_dir_lib.decide(cfg, run_dir, progress.say, unreadable, write=False)
     summary = {**warm, **rl_summary}
+    if resume is not None:  # this process did not warm up: its time is not in total_time_s
+      summary = {k: v for k, v in summary.items() if k != "sft/time_s"}
+      summary["resumed_from_step"] = resume[1]
     if summary["rl/stopped_at"] is not None:
       progress.say(f"stopped by signal after step {summary['rl/stopped_at']}: checkpoint saved in "
                    f"{own_dir}; continue with --config.run_dir={run_dir} (resume=auto)")
@@ -326,23 +334,12 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     summary["total_time_s"] = total()
     out.write({"phase": "summary", **summary})
   finally:
-    ckpt.close()
-    if resume is not None and resume[0] is not ckpt:
-      resume[0].close()
-    out.close()
-    if quiet is not None:
-      quiet.close()
-  if not main:
-    return summary
-  metrics_lib.write_chart(os.path.join(run_dir, "curves.png"), out.rows,
-                          f"jaxrl {cfg.name}: GRPO on {cfg.task.name}")
-  with open(os.path.join(run_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  progress.say(
-      f"\nheld-out accuracy: {summary['val/accuracy_before_rl']:.3f} before RL -> "
-      f"{summary['val/accuracy_after_rl']:.3f} after {summary['rl/steps']} RL steps "
-      f"({summary['val/rl_gain']:+.3f})\n"
-      f"time: {summary['total_time_s']:.0f} s total ({summary.get('sft/time_s', 0):.0f} s warm-up,"
-      f" {summary['rl/time_s']:.0f} s RL)\n"
-      f"wrote {run_dir}/metrics.jsonl, curves.png, summary.json, config.json")
+    for closing in (ckpt, None if reader is ckpt else reader, out, quiet):
+      if closing is not None:
+        closing.close()
+    if lock is not None:
+      lock.release()
+  if main:
+    metrics_lib.finish(run_dir, summary, out.rows, f"jaxrl {cfg.name}: GRPO on {cfg.task.name}",
+                       progress)
   return summary

@@ -21,6 +21,7 @@ from conftest import tiny_model_config
 from jaxrl import parallel
 from jaxrl.checkpoint import (Checkpointer, abstract_like, checkpoint_dir, numpy_rng_state,
                               resolve_resume, restore_numpy_rng)
+from jaxrl.checkpoint import CheckpointError, choose_step, step_problem
 from jaxrl.models import init_model
 from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
@@ -233,7 +234,7 @@ def test_interrupted_save_is_never_picked(tmp_path):
   ro = Checkpointer(ck_dir, read_only=True)  # a reader leaves the tmp directory alone
   assert ro.latest_step() == 5 and ro.all_steps() == [5]
   assert os.path.exists(os.path.join(ck_dir, "7" + TMP))
-  assert resolve_resume("auto", str(run)) == os.path.abspath(ck_dir)
+  assert resolve_resume("auto", str(run)) == (os.path.abspath(ck_dir), None)
   with Checkpointer(ck_dir) as ck:  # the writer deletes them, and step 7 can be saved again
     assert ck.latest_step() == 5
     state, host = ck.restore(None, abstract_like(_small(0)))
@@ -291,21 +292,22 @@ def test_resolve_resume(tmp_path, monkeypatch):
   with Checkpointer(ck_dir, async_save=False) as ck:
     ck.save(4, _small(4), {})
   assert resolve_resume("none", str(run)) is None
-  assert resolve_resume("auto", str(run)) == ck_dir
-  assert resolve_resume(ck_dir, str(tmp_path / "other")) == ck_dir
-  assert resolve_resume(str(run), str(tmp_path / "other")) == ck_dir  # a run directory
+  assert resolve_resume("auto", str(run)) == (ck_dir, None)
+  assert resolve_resume(ck_dir, str(tmp_path / "other")) == (ck_dir, None)
+  assert resolve_resume(str(run), str(tmp_path / "other")) == (ck_dir, None)  # a run directory
+  assert resolve_resume(os.path.join(ck_dir, "4"), str(run)) == (ck_dir, 4)  # one step of it
   monkeypatch.chdir(tmp_path)
-  assert resolve_resume("run/checkpoints", "elsewhere") == ck_dir  # relative -> absolute
+  assert resolve_resume("run/checkpoints", "elsewhere") == (ck_dir, None)  # made absolute
 
   missing = str(tmp_path / "nope")
-  with pytest.raises(FileNotFoundError, match="nope"):
+  with pytest.raises(CheckpointError, match="nope"):
     resolve_resume(missing, str(run))
   os.makedirs(tmp_path / "empty")
-  with pytest.raises(FileNotFoundError, match="empty.*no complete checkpoint"):
+  with pytest.raises(CheckpointError, match="empty.*no complete checkpoint"):
     resolve_resume(str(tmp_path / "empty"), str(run))
-  with pytest.raises(FileNotFoundError, match="pass its checkpoint directory"):
-    resolve_resume(os.path.join(ck_dir, "4"), str(run))
-  with pytest.raises(FileNotFoundError, match="not a directory"):
+  with pytest.raises(CheckpointError, match="'.*5' does not exist"):
+    resolve_resume(os.path.join(ck_dir, "5"), str(run))
+  with pytest.raises(CheckpointError, match="not a directory"):
     resolve_resume(os.path.join(ck_dir, "4", "_CHECKPOINT_METADATA"), str(run))
 
 
@@ -339,3 +341,52 @@ def test_bad_inputs_fail_before_writing(tmp_path):
     abstract_like({"w": np.zeros(3)})
   with pytest.raises(ValueError, match="keep"):
     Checkpointer(str(tmp_path / "ck2"), keep=0)
+
+
+def test_choose_step_skips_unusable_checkpoints(tmp_path):
+  # Three steps; the newest is broken three ways in turn: truncated host JSON, a removed state
+  # metadata file, an empty array data file. Each time the newest good step is chosen and the bad
+  # one named in one line; a named bad step, or no good step at all, is an error.
+  ck_dir = str(tmp_path / "ck")
+  with Checkpointer(ck_dir, async_save=False, keep=3) as ck:
+    for s in (1, 2, 3):
+      ck.save(s, _small(s), {"step": s})
+  said = []
+  assert choose_step(ck_dir, say=said.append) == (3, {"step": 3}) and said == []
+  host = os.path.join(ck_dir, "3", "host", "metadata")
+  with open(host, "rb") as f:
+    text = f.read()
+  with open(host, "wb") as f:
+    f.write(text[:len(text) // 2])
+  assert step_problem(ck_dir, 3).startswith("host/metadata is unreadable (JSONDecodeError")
+  assert choose_step(ck_dir, say=said.append) == (2, {"step": 2})
+  assert said == [f"checkpoint {ck_dir}/3 is unusable ({step_problem(ck_dir, 3)}); trying the "
+                  "one before it"]
+  os.remove(os.path.join(ck_dir, "2", "state", "_METADATA"))
+  assert step_problem(ck_dir, 2) == "state/_METADATA is missing"
+  assert choose_step(ck_dir, say=said.append)[0] == 1
+  data = os.path.join(ck_dir, "1", "state", "d")
+  open(os.path.join(data, os.listdir(data)[0]), "wb").close()
+  assert step_problem(ck_dir, 1).endswith("is empty")
+  with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*ck \(steps \[1, 2, 3\]\)"):
+    choose_step(ck_dir, say=said.append)
+  with pytest.raises(CheckpointError, match=r"ck/2 is unusable: state/_METADATA is missing"):
+    choose_step(ck_dir, 2)
+  with pytest.raises(CheckpointError, match=r"no checkpoint of step 7 in"):
+    choose_step(ck_dir, 7)
+
+
+def test_truncated_array_data_is_a_checkpoint_error(tmp_path):
+  ck_dir = str(tmp_path / "ck")
+  with Checkpointer(ck_dir, async_save=False) as ck:
+    ck.save(1, _small(1), {"step": 1})
+  data = os.path.join(ck_dir, "1", "state", "d")
+  for name in os.listdir(data):
+    path = os.path.join(data, name)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  assert step_problem(ck_dir, 1) is None  # only reading the arrays finds it
+  with Checkpointer(ck_dir, read_only=True) as ck:
+    with pytest.raises(CheckpointError, match=r"checkpoint .*ck/1 is unreadable: ") as info:
+      ck.restore(1, abstract_like(_small(0)))
+  assert info.value.step == 1 and "\n" not in str(info.value)

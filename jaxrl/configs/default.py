@@ -22,6 +22,13 @@ def get_config() -> ConfigDict:
   # Continue from a checkpoint: "auto" (the run directory's latest, if any), "none", or a path
   # (a run directory or its checkpoints/ directory).
   c.resume = "auto"
+  # Start over in a run directory that already holds a run (its metrics.jsonl, checkpoints and
+  # files are moved aside to <run_dir>/previous-<n>/ first). Without it a run with resume="none"
+  # refuses a non-empty run directory instead of mixing two runs in one metrics.jsonl.
+  c.overwrite = False
+  # Show the Python traceback of an error instead of the one-line `jaxrl: ...` message (also
+  # with the environment variable JAXRL_DEBUG=1).
+  c.debug = False
 
   c.checkpoint = ConfigDict()
   c.checkpoint.every = 100  # RL steps between checkpoints (also at the end and on SIGTERM/SIGINT)
@@ -146,6 +153,9 @@ def get_config() -> ConfigDict:
   c.train.microbatch_tokens = 2048
   # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
   c.train.max_skipped_updates = 0
+  # Stop (with a checkpoint) after this many updates in a row were skipped for non-finite
+  # gradients: a run that has stopped learning says so instead of running on. 0 = never.
+  c.train.max_consecutive_skipped = 10
 
   c.advantage = ConfigDict()
   c.advantage.estimator = "grpo"  # grpo | dr_grpo | rloo (jaxrl.losses.advantages)

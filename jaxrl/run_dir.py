@@ -1,0 +1,204 @@
+"""A run directory has one owner and one run.
+
+- `RunDirLock`: `<run_dir>/.jaxrl.lock` holds the owner's host, pid and start time, created
+  exclusively; a second run in the same directory is refused with a message naming the owner. A
+  lock whose process is gone (same host, pid not alive) is taken over.
+- `existing_run` / `move_aside`: the files a run writes. A run that starts over in a directory
+  holding another run's files (killed before its first checkpoint, or `--config.overwrite=true`)
+  first moves them to `<run_dir>/previous-<n>/`, named on the console: nothing is appended to an
+  old `metrics.jsonl` and nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+
+from jaxrl import checkpoint
+from jaxrl.errors import UserError
+
+LOCK_FILE = ".jaxrl.lock"
+# What a run writes into its directory (jaxrl.trainer.run, jaxrl.export.METADATA_DIR aside).
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
+             "hf_base")
+
+
+class RunDirError(UserError):
+  """The run directory cannot be used as asked (in use, or holding another run)."""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's process: alive
+    return True
+  return True
+
+
+class RunDirLock:
+  """Exclusive ownership of a run directory (see the module docstring); a context manager."""
+
+  def __init__(self, run_dir: str):
+    self.run_dir = run_dir
+    self.path = os.path.join(run_dir, LOCK_FILE)
+    self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    self.held = False
+
+  def acquire(self) -> RunDirLock:
+    os.makedirs(self.run_dir, exist_ok=True)
+    for _ in range(2):  # a second try after taking over a stale lock
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        other = self._read()
+        if other is not None and (other.get("host") != self.owner["host"] or
+                                  _alive(int(other.get("pid", -1)))):
+          raise RunDirError(
+              f"run directory {self.run_dir} is in use by pid {other.get('pid')} on "
+              f"{other.get('host')} (since {other.get('started')}); wait for it, stop it, or "
+              f"pick another --config.run_dir (a stale lock is {self.path})") from None
+        try:  # its owner is gone (or the file is unreadable garbage): take it over
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+        continue
+      with os.fdopen(fd, "w") as f:
+        json.dump(self.owner, f)
+      self.held = True
+      return self
+    raise RunDirError(f"could not take the lock {self.path}; another run took it first")
+
+  def _read(self) -> dict | None:
+    try:
+      with open(self.path) as f:
+        got = json.load(f)
+      return got if isinstance(got, dict) else None
+    except (OSError, ValueError):
+      return None
+
+  def release(self) -> None:
+    if self.held:
+      self.held = False
+      if self._read() == self.owner:
+        os.remove(self.path)
+
+  def __enter__(self) -> RunDirLock:
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def existing_run(run_dir: str) -> list[str]:
+  """The run files (`RUN_FILES`) already in `run_dir`."""
+  return [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+
+
+def move_aside(run_dir: str) -> str | None:
+  """Moves the run files of `run_dir` into a new `<run_dir>/previous-<n>/`; returns it (None when
+  there were none)."""
+  files = existing_run(run_dir)
+  if not files:
+    return None
+  n = 1
+  while os.path.exists(os.path.join(run_dir, f"previous-{n}")):
+    n += 1
+  dest = os.path.join(run_dir, f"previous-{n}")
+  os.makedirs(dest)
+  for f in files:
+    os.rename(os.path.join(run_dir, f), os.path.join(dest, f))
+  return dest
+
+
+# Keys whose value a checkpoint depends on: the lag ring's batches (lag, batch shape), the train
+# state (model architecture) and the prompt stream (task, seed). Others (steps, learning rate, the
+# mesh, evaluation) may change on resume.
+CHECKPOINT_KEYS = (
+    "seed", "task.name", "task.weights", "task.num_digits", "task.path", "rollout.lag",
+    "rollout.num_prompts", "rollout.group_size", "rollout.max_prompt_len",
+    "rollout.max_new_tokens", "rollout.max_total_tokens", "rollout.logprobs", "model.hf_path",
+    "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
+    "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.qkv_bias", "model.qk_norm",
+    "model.tie_embeddings", "model.param_dtype", "model.scan_layers")
+
+
+def checkpoint_config(cfg) -> dict:
+  """The values of `CHECKPOINT_KEYS` in run config `cfg` (saved with every checkpoint)."""
+  out = {}
+  for key in CHECKPOINT_KEYS:
+    section, name = key.split(".") if "." in key else (None, key)
+    out[key] = (cfg[section] if section else cfg)[name]
+  return out
+
+
+def config_changes(cfg, host: dict, run_dir: str) -> list[str]:
+  """`config.key: the checkpoint's value -> now` for every checkpoint key that changed. The
+  checkpoint's values come from its host JSON, or (checkpoints made before they were saved there)
+  from the run directory's config.json."""
+  saved = host.get("config")
+  if saved is None:
+    try:
+      with open(os.path.join(run_dir, "config.json")) as f:
+        whole = json.load(f)
+      saved = {k: (whole[k.split(".")[0]][k.split(".")[1]] if "." in k else whole[k])
+               for k in CHECKPOINT_KEYS}
+    except (OSError, ValueError, KeyError):
+      return []
+  now = checkpoint_config(cfg)
+  return [f"config.{k} = {saved[k]!r} in the checkpoint, {now[k]!r} now"
+          for k in CHECKPOINT_KEYS if k in saved and saved[k] != now[k]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """How a run starts: `resume = (checkpoint directory, step, host JSON)` or None (fresh), and
+  `keep_lines`, the metrics.jsonl lines that stay (a resume from the run's own checkpoint)."""
+  resume: tuple[str, int, dict] | None
+  keep_lines: int | None
+
+
+def decide(cfg, run_dir: str, say, exclude=(), write: bool = True) -> Start:
+  """Where run config `cfg` starts in `run_dir` (`cfg.resume`, `cfg.overwrite`); reports in one
+  line each through `say` what it skips or moves. Raises `RunDirError` / `CheckpointError`
+  (one-line messages) before anything of the run is written. Only the process that writes the
+  run's files (`write`: process 0) looks at them; every process makes the same resume decision.
+
+  - A resumable checkpoint (the newest usable one; unusable ones are named and skipped, and steps
+    in `exclude` were found unreadable) is checked against the config (`CHECKPOINT_KEYS`).
+  - A fresh start in a directory holding another run: that run is moved aside
+    (`move_aside`) when it has nothing to resume from (`resume=auto`: killed before its first
+    checkpoint) or with `overwrite=true`; otherwise (`resume=none`, or a resume from another
+    directory) the run is refused: two runs never share one metrics.jsonl.
+  """
+  resume = "none" if cfg.overwrite and cfg.resume == "auto" else cfg.resume
+  found = checkpoint.resolve_resume(resume, run_dir)
+  own = os.path.abspath(checkpoint.checkpoint_dir(run_dir))
+  start = None
+  if found is not None:
+    directory, step = found
+    step, host = checkpoint.choose_step(directory, step, exclude=exclude, say=say)
+    changes = config_changes(cfg, host, run_dir if directory == own else
+                             os.path.dirname(directory))
+    if changes:
+      raise RunDirError(
+          f"cannot resume from {os.path.join(directory, str(step))}: {'; '.join(changes)}. Resume "
+          "with the checkpoint's values, or start over (--config.resume=none "
+          "--config.overwrite=true, or another --config.run_dir)")
+    if os.path.abspath(directory) == own:
+      return Start((directory, step, host), host["metrics_lines"])
+    start = Start((directory, step, host), None)
+  files = existing_run(run_dir) if write else []
+  if files and not (cfg.overwrite or (resume == "auto" and found is None)):
+    raise RunDirError(
+        f"run directory {run_dir} already holds a run ({', '.join(files)}); pick another "
+        "--config.run_dir, or --config.overwrite=true to move it aside and start over")
+  moved = move_aside(run_dir) if files else None
+  if moved is not None:
+    say(f"moved the previous run's {', '.join(files)} aside to {moved}")
+  return start or Start(None, None)

@@ -1,0 +1,204 @@
+"""The run directory: one owner at a time, metrics.jsonl always what the directory can resume
+from, a bad newest checkpoint skipped for the one before it, the keys a checkpoint depends on
+compared on resume, a run whose updates are all skipped stopped, a failed background save reported
+at once, a second Ctrl-C acting at once.
+
+Runs go through `trainer.run` in-process on the tiny config of test_bad_input (no warm-up unless a
+test turns it on), so each costs seconds, not a subprocess start."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, trainer
+from jaxrl.parts import build_parts
+from jaxrl.run_dir import LOCK_FILE, RunDirError, RunDirLock
+from jaxrl.signals import Stop
+
+from test_bad_input import _poison, _tiny_cfg
+
+
+def _cfg(**over):
+  top = {k: over.pop(k) for k in list(over) if "__" not in k}
+  cfg = _tiny_cfg(**{"checkpoint__every": 2, "checkpoint__async_save": False, **over})
+  for k, v in top.items():
+    cfg[k] = v
+  return cfg
+
+
+def _run(run_dir, stop=None, **over):
+  cfg = _cfg(**over)
+  return trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()), stop=stop)
+
+
+def _rows(run_dir, phase=None):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [r for r in rows if phase is None or r["phase"] == phase]
+
+
+def _keyed(rows):
+  return [(r["phase"], r.get("step")) for r in rows]
+
+
+def test_a_rerun_without_a_checkpoint_starts_clean(tmp_path):
+  # Killed (here: stopped by a signal) in the warm-up, before any checkpoint: the rerun must not
+  # append to the old metrics.jsonl; the old files are moved aside, named, not deleted.
+  run_dir = tmp_path / "run"
+  out = _run(run_dir, stop=lambda: True, sft__enabled=True, sft__max_steps=5)
+  assert out == {"sft/steps": 1, "sft/stopped": True}
+  assert _keyed(_rows(run_dir)) == [("sft", 1)]
+  _run(run_dir, train__steps=2)
+  assert _keyed(_rows(run_dir)) == [("rl", 1), ("rl", 2), ("summary", None)]  # each step once
+  assert _keyed(_rows(run_dir / "previous-1")) == [("sft", 1)]
+  assert not (run_dir / LOCK_FILE).exists()  # released
+
+
+def test_resume_none_refuses_a_used_directory_unless_overwrite(tmp_path):
+  run_dir = tmp_path / "run"
+  _run(run_dir, train__steps=2)
+  before = (run_dir / "metrics.jsonl").read_text()
+  with pytest.raises(RunDirError, match=r"run directory .*run already holds a run \(metrics.jsonl,"
+                     r" summary.json, config.json, curves.png, checkpoints\); pick another "
+                     r"--config.run_dir, or --config.overwrite=true"):
+    _run(run_dir, train__steps=3, resume="none")
+  assert (run_dir / "metrics.jsonl").read_text() == before  # nothing touched
+  # Overwrite: the old run moves aside whole; the new one trains and saves step 2 again.
+  assert _run(run_dir, train__steps=3, resume="none", overwrite=True)["rl/steps"] == 3
+  assert _keyed(_rows(run_dir)) == [("rl", 1), ("rl", 2), ("rl", 3), ("summary", None)]
+  assert (run_dir / "previous-1" / "metrics.jsonl").read_text() == before
+  assert checkpoint.complete_steps(str(run_dir / "checkpoints")) == [2, 3]
+
+
+def _timing(k):
+  return k.startswith(("perf/", "pipeline/", "data_plane/")) or k in (
+      "val/time_s", "val/trainer_wait_s", "rl/time_s", "total_time_s", "resumed_from_step")
+
+
+def _same_metrics(a, b):
+  assert _keyed(a) == _keyed(b)
+  for ra, rb in zip(a, b):
+    assert {k: v for k, v in ra.items() if not _timing(k)} == \
+        {k: v for k, v in rb.items() if not _timing(k)}, (ra["phase"], ra.get("step"))
+
+
+@pytest.mark.parametrize("damage", ["host_json", "array_data"])
+def test_a_bad_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, damage):
+  # Lag 2, checkpoints at steps 2, 4, 6; the run ends at 6. Step 6 is damaged (truncated host
+  # JSON: found when choosing; truncated array data: found by the restore), and the run is
+  # extended to 8 steps: it resumes from step 4, names step 6 in one line, and its metrics from
+  # step 5 on equal those of a run that went to 8 steps without stopping.
+  over = dict(rollout__lag=2, checkpoint__keep=3, val__every=3, val__at_end=True)
+  whole = tmp_path / "whole"
+  _run(whole, train__steps=8, **over)
+  run_dir = tmp_path / "run"
+  _run(run_dir, train__steps=6, **over)
+  step6 = run_dir / "checkpoints" / "6"
+  if damage == "host_json":
+    path = step6 / "host" / "metadata"
+    path.write_bytes(path.read_bytes()[:20])
+  else:
+    for f in (step6 / "state" / "d").iterdir():
+      f.write_bytes(f.read_bytes()[:max(1, len(f.read_bytes()) // 2)])
+  capsys.readouterr()
+  summary = _run(run_dir, train__steps=8, **over)
+  said = capsys.readouterr().out
+  assert summary["resumed_from_step"] == 4
+  lines = [ln for ln in said.splitlines() if "checkpoints/6" in ln]
+  assert len(lines) == 1 and "trying the one before it" in lines[0], said
+  _same_metrics([r for r in _rows(run_dir) if r["phase"] != "summary"],
+                [r for r in _rows(whole) if r["phase"] != "summary"])
+
+
+def test_changing_a_checkpoint_key_is_refused_before_config_json_changes(tmp_path):
+  run_dir = tmp_path / "run"
+  _run(run_dir, train__steps=2, rollout__lag=2)
+  config_json = (run_dir / "config.json").read_text()
+  with pytest.raises(RunDirError, match=r"cannot resume from .*checkpoints/2: config.rollout.lag "
+                     r"= 2 in the checkpoint, 1 now; config.rollout.num_prompts = 4 in the "
+                     r"checkpoint, 8 now\. Resume with the checkpoint's values"):
+    _run(run_dir, train__steps=4, rollout__lag=1, rollout__num_prompts=8)
+  assert (run_dir / "config.json").read_text() == config_json
+  # Keys the checkpoint does not depend on may change: more steps, another learning rate.
+  assert _run(run_dir, train__steps=3, rollout__lag=2, train__learning_rate=1e-4)[
+      "resumed_from_step"] == 2
+
+
+def test_one_run_per_directory(tmp_path):
+  run_dir = tmp_path / "run"
+  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+  try:
+    lock = RunDirLock(str(run_dir))
+    lock.owner = {"host": socket.gethostname(), "pid": holder.pid, "started": "earlier"}
+    lock.acquire()
+    with pytest.raises(RunDirError, match=rf"run directory .*run is in use by pid {holder.pid} "
+                       rf"on {socket.gethostname()} \(since earlier\)"):
+      _run(run_dir, train__steps=1)
+    assert os.listdir(run_dir) == [LOCK_FILE]  # the refused run wrote nothing
+  finally:
+    holder.kill()
+    holder.wait()
+  # The holder is gone: its lock is stale and taken over.
+  assert _run(run_dir, train__steps=1)["rl/steps"] == 1
+  assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_all_skipped_updates_stop_the_run_with_a_checkpoint(tmp_path):
+  cfg = _cfg(rollout_kl__coef=0.1, train__max_consecutive_skipped=2)
+  parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
+  out = metrics_lib.MetricsWriter(str(tmp_path))
+  try:
+    with pytest.raises(trainer.TrainingHalted, match=r"the last 2 updates \(to step 3\) were all "
+                       r"skipped .*train.max_consecutive_skipped=2\); checkpoint of step 3 saved"):
+      trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
+                 on_batch=_poison({2: "logprobs", 3: "logprobs"}))
+  finally:
+    out.close()
+  assert ckpt.latest_step() == 3
+  ckpt.close()
+  assert [r["skipped_nonfinite"] for r in out.rows if r["phase"] == "rl"] == [0, 1, 1]
+
+
+def test_a_failed_background_save_is_reported_at_once(tmp_path, monkeypatch):
+  # The host item's write fails as a full disk would; `check` (called by the trainer every step)
+  # reports it in one line naming the directory and the OS error, without waiting for a save.
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full_disk)
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
+  ck.save(1, {"w": jax.numpy.ones(4)}, {"step": 1})
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"saving a checkpoint in .*ck failed: OSError: \[Errno 28\] No space "
+                           r"left on device; the checkpoints already there are intact") as info:
+    for _ in range(200):  # the background write fails within moments
+      ck.check()
+      time.sleep(0.05)
+  assert "\n" not in str(info.value)
+  assert checkpoint.complete_steps(str(tmp_path / "ck")) == []
+
+
+def test_a_second_interrupt_acts_at_once():
+  stop = Stop()
+  old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  try:
+    stop.handler(signal.SIGINT, None)
+    assert stop() and stop.signal == signal.SIGINT  # the first one only asks
+    with pytest.raises(KeyboardInterrupt):
+      stop.handler(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, old[0])
+    signal.signal(signal.SIGTERM, old[1])
