@@ -172,9 +172,12 @@ class Checkpointer:
       for s in newer:
         self._mngr.delete(s)
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
-    return bool(self._mngr.save(
-        step, force=True,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host))))
+    try:
+      return bool(self._mngr.save(
+          step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    host=ocp.args.JsonSave(host))))
+    except OSError as e:  # a full disk, a read-only or vanished directory
+      raise self._save_failed(e) from e
 
   def wait(self) -> None:
     """Blocks until pending async saves are durable (renamed to their step); a failed one raises

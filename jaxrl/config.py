@@ -1,33 +1,37 @@
 """Validation of run configs against the schema in `jaxrl.configs.default`.
 
-`validate` runs before anything is compiled and reports every problem at once: schema (unknown
-and missing keys), types and value ranges (`jaxrl.config_schema`), the device mesh, cross-key
-divisibility, incompatible loss combinations and what the chosen tasks need (prompt and answer
-lengths, split sizes, a data file, demonstrations for the warm-up). It never imports jax; the
-caller passes the device count.
+`validate` runs before anything is compiled or written and reports every problem at once: schema
+(unknown and missing keys), types and value ranges (`jaxrl.config_schema`), the device mesh,
+cross-key divisibility, incompatible loss combinations, what the chosen tasks need (prompt and
+answer lengths, split sizes, a readable data file, demonstrations for the warm-up), and what the
+run will touch on disk and in memory: a run directory it can create, a resume path that holds a
+checkpoint, a complete model directory, and a rollout batch that can fit in memory. It never
+imports jax; the caller passes the device count.
 
-`parse_overrides` (`jaxrl.overrides`, re-exported here) applies `--config.a.b=value`
-command-line overrides, naming every bad one.
+What the run touches outside the config is checked by `jaxrl.preflight`. `load_recipe`
+(`jaxrl.recipe`) reads a recipe file (`--config path.py`); `parse_overrides` (`jaxrl.overrides`)
+applies `--config.a.b=value` command-line overrides, naming every bad one; both re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Collection
 from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxrl import preflight
 from jaxrl.config_schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
                                  check_schema, describe, flatten, type_ok)
 from jaxrl.configs import default as default_config
 from jaxrl.envs import registry  # registers the built-in tasks (no jax)
-from jaxrl.names import (ADVANTAGE_ESTIMATORS, CORRECTIONS, DTYPES, KL_ESTIMATORS,  # noqa: F401
-                         KL_REDUCTIONS, LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
-                         REWARD_FIELDS, WEIGHTING)
-from jaxrl.overrides import parse_overrides  # noqa: F401 (re-exported)
+from jaxrl.names import CORRECTIONS, WEIGHTING
+# Re-exported: the command line's other halves.
+from jaxrl.overrides import parse_overrides  # noqa: F401
+from jaxrl.preflight import RUN_ROOT, default_run_dir  # noqa: F401
+from jaxrl.recipe import RecipeError, load_recipe  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,44 +281,6 @@ def _check_task(good: dict[str, Any], problems: list[str]) -> None:
   problems.extend(registry.task_problems(names, good))
 
 
-# The keys a Hugging Face model directory decides (model.hf_path).
-HF_ARCHITECTURE_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                        "head_dim", "mlp_dim", "rope_theta", "rms_eps", "qkv_bias", "qk_norm",
-                        "tie_embeddings", "init_std")
-
-
-def _check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> None:
-  """A Hugging Face model directory: present, complete enough to start, and not contradicted.
-
-  The architecture comes from the directory's config.json, so an architecture key changed in the
-  run config would be silently ignored; it is named instead. The warm-up's demonstrations are
-  character-tokenizer ids, which a Hugging Face tokenizer cannot train on.
-  """
-  p = PREFIX
-  path = good.get("model.hf_path", "")
-  if not path:
-    return
-  if not os.path.isdir(path):
-    problems.append(f"{p}model.hf_path: no directory {path!r}")
-    return
-  for name in ("config.json", "tokenizer.json"):
-    if not os.path.isfile(os.path.join(path, name)):
-      problems.append(f"{p}model.hf_path: {os.path.join(path, name)} is missing (a Hugging Face "
-                      "model directory holds config.json, the *.safetensors weights, "
-                      "tokenizer.json and tokenizer_config.json)")
-  for key in HF_ARCHITECTURE_KEYS:
-    k = f"model.{key}"
-    if k in good and good[k] != ref[k]:
-      problems.append(f"{p}{k}: is read from {path}/config.json with {p}model.hf_path set; "
-                      f"leave it at its default {ref[k]!r}, got {good[k]!r}")
-  # (Other tasks have no demonstrations at all, which _check_task reports.)
-  if good.get("sft.enabled") and good.get("sft.max_steps", 0) > 0 and \
-      good.get("task.name") == "add":
-    problems.append(f"{p}sft.enabled: the supervised warm-up's demonstrations are "
-                    f"character-tokenizer ids, not available with {p}model.hf_path; set it to "
-                    f"false or {p}sft.max_steps to 0")
-
-
 def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
   """`(coordinator_address, num_processes, process_id, init_timeout_s)`, checked on their own.
 
@@ -344,7 +310,8 @@ def distributed_settings(cfg: ConfigDict) -> tuple[str, int, int, int] | None:
 def validate(cfg: ConfigDict, num_devices: int,
              task_names: Collection[str] | None = None,
              problems: Collection[str] = (), *,
-             num_processes: int | None = None) -> MeshShape:
+             num_processes: int | None = None,
+             device_memory: int | None = None) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
   A config file must start from `jaxrl.configs.default.get_config()` and change values: keys
@@ -360,6 +327,8 @@ def validate(cfg: ConfigDict, num_devices: int,
     num_processes: processes actually joined (`jax.process_count()` in the caller), whether by
       the explicit `distributed.*` keys or detected by `distributed.auto`; the multi-process
       checks (`rollout.lag`, `rollout.engine`) apply to it. None: the explicit keys alone.
+    device_memory: bytes of memory this process's devices hold, for the batch size check; None:
+      the devices are the host's CPU (their arrays count against host memory); 0: unknown.
 
   Returns:
     The mesh shape with a -1 axis resolved against `num_devices`.
@@ -451,8 +420,13 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   _check_loss(good, problems)
   _check_distributed(good, problems, num_processes)
-  _check_hf(good, flatten(ref), problems)
+  preflight.check_hf(good, flatten(ref), problems)
   _check_task(good, problems)
+  preflight.check_run_dir(good, problems)
+  preflight.check_resume(good, problems)
+  processes = num_processes or good.get("distributed.num_processes") or 1
+  preflight.check_memory(good, problems, processes, device_memory,
+                         preflight.host_memory_bytes())
 
   if problems:
     raise ConfigError(problems)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxrl.errors import UserError
 from jaxrl.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LR_SCHEDULES,
                          POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
 
@@ -27,7 +28,7 @@ PREFIX = "config."
 Rule = tuple[Callable[[Any], bool], str]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """All problems found in a config; one line each, starting with the full `config.` key."""
 
   def __init__(self, problems: list[str]):
@@ -62,6 +63,18 @@ def _floats_ok(text: str) -> bool:
   return all(x >= 0 and x == x and x != float("inf") for x in w) and sum(w) > 0
 
 
+SEED_MAX = 2**32 - 1
+
+# Log-probs are float32 `log_softmax(logits / T)`: once |logits / T| passes ~2**31, float32's
+# spacing there (256) makes `exp(z - logsumexp(z))` overflow in the fused log-prob kernel and
+# every update is skipped as non-finite (measured: first non-finite T = max|logit| / 2.7e9, e.g.
+# 5.6e-6 for logits up to 1.5e4, 5.6e-8 up to 150), and well before that the rounding of z
+# swamps the log-probs (spacing 1 at 2**24). 1e-4 keeps logits up to 1e3 (far above a trained
+# LM's) within 1e7 and is already greedy in effect.
+MIN_TEMPERATURE = 1e-4
+_TINY_T = ("below it float32 log-probs of logits / T lose their precision and then overflow, "
+           "skipping every update")
+
 # (key, rule); checked only when the key exists with the right type.
 DISTRIBUTED_RULES: list[tuple[str, Rule]] = [
     ("distributed.auto", (lambda v: True, "a bool")),
@@ -72,7 +85,12 @@ DISTRIBUTED_RULES: list[tuple[str, Rule]] = [
 ]
 
 RULES: list[tuple[str, Rule]] = [
+    # The largest seed every consumer takes whole: numpy's generators take any int, but a JAX
+    # key (64-bit ints off) keeps 32 bits, so seed 2**32 would sample exactly like 0, and past
+    # 2**63 - 1 JAX and the model's initialiser raise OverflowError.
     ("seed", _ge(0)),
+    ("seed", (lambda v: v <= SEED_MAX, f"<= {SEED_MAX} (2**32 - 1: a JAX key holds 32 bits of "
+              "it)")),
     ("log_every", _ge(1)),
     *((f"model.{k}", _ge(1)) for k in
       ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")),
@@ -102,8 +120,9 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.max_new_tokens", _ge(1)),
     # Greedy decoding (temperature 0, or top-k 1) gives every sample of a prompt the same tokens
     # and so the same reward: every group-normalised advantage would be 0 and nothing learned.
-    ("rollout.temperature", (lambda v: v > 0, "> 0 (greedy samples of one prompt are identical, "
-                             "so every advantage would be 0)")),
+    ("rollout.temperature", (lambda v: v >= MIN_TEMPERATURE, f">= {MIN_TEMPERATURE} (0 is greedy: "
+                             "the samples of one prompt would be identical, so every advantage "
+                             f"would be 0; {_TINY_T})")),
     ("rollout.top_k", (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (top-1 sampling is greedy: "
                        "the samples of one prompt would be identical, every advantage 0)")),
     ("rollout.top_p", _in(0, 1, lo_open=True)),
@@ -161,7 +180,8 @@ RULES: list[tuple[str, Rule]] = [
     ("val.every", _ge(1)),
     ("val.batch_size", _ge(1)),
     ("val.samples_per_prompt", _ge(1)),
-    ("val.temperature", (lambda v: v >= 0, ">= 0 (0 = greedy)")),
+    ("val.temperature", (lambda v: v == 0 or v >= MIN_TEMPERATURE,
+                         f"0 (greedy) or >= {MIN_TEMPERATURE} ({_TINY_T})")),
     ("val.max_wait_s", _gt(0)),
     ("env.timeout_s", _gt(0)),
     ("rollout.max_turns", _ge(1)),

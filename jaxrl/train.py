@@ -1,34 +1,99 @@
 """Entry point: `python -m jaxrl.train [--config path.py] [--config.key=value ...]`.
 
-Without `--config` it runs the packaged `jaxrl/configs/default.py`. Overrides are applied and the
-whole config is validated before anything is built or compiled; every bad key is reported in one
-message.
+Without `--config` it runs the packaged `jaxrl/configs/default.py`. The recipe file is loaded,
+overrides are applied and the whole config is validated before anything is built, compiled or
+written; every bad key is reported in one message.
+
+Every error a user can cause and fix (`jaxrl.errors.UserError`: a bad key or recipe file, a
+missing or malformed data or model file, a run directory that cannot be written or is in use;
+and the operating system's file errors) ends as `jaxrl: <message>` on stderr with exit status 1
+and no traceback: the message names what to change, and a traceback would bury it.
+`--config.debug=true` or the environment variable `JAXRL_DEBUG=1` re-raises instead, for a bug
+report. Anything else is a bug in jaxrl and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import ConfigDict, config_flags
+from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
+from jaxrl.errors import UserError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
 
-# `sys_argv=argv[:1]`: overrides are applied by `config_lib.parse_overrides`, which names every
-# bad key at once instead of ml_collections' traceback for the first one.
-_CONFIG = config_flags.DEFINE_config_file("config", default=DEFAULT_CONFIG, sys_argv=sys.argv[:1],
-                                          help_string="recipe file (configs/*.py)")
+# A plain string flag, loaded by `config_lib.load_recipe`: ml_collections' config-file flag loads
+# its default recipe first and reloads a user's file into the same module, so a file without
+# `get_config` silently ran the default recipe; and it reports a bad file as a traceback.
+# Overrides are applied by `config_lib.parse_overrides`, which names every bad key at once.
+_CONFIG = flags.DEFINE_string("config", None, "recipe file (configs/*.py) whose get_config() "
+                              "returns the run config; default: jaxrl/configs/default.py")
 _OVERRIDES: list[str] = []
+
+# File errors whose message (path and reason) tells the user what to change: a run directory or
+# data file that is missing, a file where a directory belongs or the reverse, no permission, a
+# full or read-only disk.
+_USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                   NotADirectoryError)
+_USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
   _OVERRIDES[:] = [a for a in argv[1:] if a.startswith("--config.")]
-  return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
+  try:
+    return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
+  except flags.Error as e:  # an unknown flag, --config without a file
+    sys.exit(f"jaxrl: {e} (config keys are set as --config.key=value; --helpfull lists the "
+             "flags)")
+
+
+def _debug_requested(overrides: list[str], cfg: ConfigDict | None = None) -> bool:
+  """`JAXRL_DEBUG` (anything but "", "0", "false"), the last `--config.debug=` override, or the
+  recipe's `debug`; read from the raw arguments too, so a recipe that fails to load can be
+  debugged."""
+  if os.environ.get("JAXRL_DEBUG", "").strip().lower() not in ("", "0", "false"):
+    return True
+  for arg in reversed(overrides):
+    if arg.startswith("--config.debug="):
+      return arg.partition("=")[2].strip().lower() in ("true", "1")
+  return cfg is not None and cfg.get("debug") is True
+
+
+def _os_error_text(e: OSError) -> str:
+  """"<path>: <reason>" (and the second path of a rename); the bare message when there is none
+  (e.g. a FileNotFoundError raised with a sentence)."""
+  if e.strerror and e.filename is not None:
+    paths = os.fspath(e.filename) + (f" -> {os.fspath(e.filename2)}" if e.filename2 else "")
+    return f"{paths}: {e.strerror}"
+  return str(e) or type(e).__name__
+
+
+def user_message(e: BaseException) -> str | None:
+  """The `jaxrl: ...` text for an error the user can fix; None for anything else (a bug)."""
+  if isinstance(e, config_lib.ConfigError):
+    return f"jaxrl: invalid config\n{e}"
+  if isinstance(e, UserError):
+    return f"jaxrl: {e}"
+  if isinstance(e, _USER_OS_ERRORS) or (isinstance(e, OSError) and e.errno in _USER_ERRNOS):
+    return f"jaxrl: {_os_error_text(e)}"
+  if isinstance(e, MemoryError):
+    return ("jaxrl: out of host memory; a smaller rollout.num_prompts, rollout.group_size, "
+            "rollout.max_new_tokens or val.batch_size needs less (--config.debug=true shows "
+            "where it ran out)")
+  return None
+
+
+def _exit_if_user_error(e: BaseException, debug: bool) -> None:
+  """Exits with the one-line message of a user error (the caller re-raises anything else)."""
+  message = None if debug else user_message(e)
+  if message is not None:
+    sys.exit(message)
 
 
 def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[str]) -> None:
@@ -56,40 +121,65 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
           f"through {how}", flush=True)
 
 
+def _device_memory() -> int | None:
+  """Bytes of memory this process's devices hold, for `config_lib.validate`'s size check: None
+  on CPU (the devices' arrays are in host memory), 0 when the backend does not say."""
+  import jax
+
+  if jax.default_backend() == "cpu":
+    return None
+  try:
+    return sum(int(d.memory_stats()["bytes_limit"]) for d in jax.local_devices())
+  except Exception:  # no memory_stats on this backend, or no bytes_limit in it
+    return 0
+
+
+def _validate(cfg: ConfigDict, problems: list[str]) -> config_lib.MeshShape:
+  """Joins the processes and validates `cfg` on the devices they have; raises ConfigError naming
+  every problem, those in `problems` (bad overrides) first."""
+  import jax  # after flag parsing, so --help and bad flags never initialise a backend
+
+  # Joining the processes comes first: it decides the device count the mesh is checked against.
+  settings = config_lib.distributed_settings(cfg)
+  if settings is not None:  # else validate() names the bad keys along with any others
+    _join(cfg, settings, problems)
+  return config_lib.validate(cfg, jax.device_count(), problems=problems,
+                             num_processes=jax.process_count(), device_memory=_device_memory())
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    sys.exit(f"jaxrl: unexpected arguments {argv[1:]}: a recipe is given as --config path.py and "
+             "config keys as --config.key=value")
   if not flags.FLAGS["verbosity"].present:
     # JAX logs backend probing ("Unable to initialize backend 'tpu'") at INFO; keep the console
     # for the run's own output unless the user asks (--verbosity=0).
     logging.set_verbosity(logging.WARNING)
-  import jax  # after flag parsing, so --help and bad flags never initialise a backend
+  debug = _debug_requested(_OVERRIDES)
+  try:
+    problems: list[str] = []
+    cfg = config_lib.parse_overrides(config_lib.load_recipe(_CONFIG.value or DEFAULT_CONFIG),
+                                     _OVERRIDES, problems)
+    debug = _debug_requested(_OVERRIDES, cfg)
+    mesh_shape = _validate(cfg, problems)
+  except Exception as e:
+    _exit_if_user_error(e, debug)
+    raise
 
   from jaxrl import trainer
 
-  try:
-    problems: list[str] = []
-    cfg = config_lib.parse_overrides(_CONFIG.value, _OVERRIDES, problems)
-    # Joining the processes comes first: it decides the device count the mesh is checked against.
-    settings = config_lib.distributed_settings(cfg)
-    if settings is not None:  # else validate() names the bad keys along with any others
-      _join(cfg, settings, problems)
-    mesh_shape = config_lib.validate(cfg, jax.device_count(), problems=problems,
-                                     num_processes=jax.process_count())
-  except config_lib.ConfigError as e:
-    sys.exit(f"jaxrl: invalid config\n{e}")
-  run_dir = cfg.run_dir or os.path.join(
-      "runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  run_dir = cfg.run_dir or config_lib.default_run_dir(cfg.name, time.strftime("%Y%m%d-%H%M%S"))
   # SIGTERM (preemption) and SIGINT (Ctrl-C): checkpoint after the current step, exit 0.
   stop = trainer.Stop()
   signal.signal(signal.SIGTERM, stop.handler)
   signal.signal(signal.SIGINT, stop.handler)
   try:
     trainer.run(cfg, run_dir, mesh_shape, stop=stop)
-  except config_lib.ConfigError as e:
-    sys.exit(f"jaxrl: invalid config\n{e}")
   except trainer.TrainingHalted as e:
     sys.exit(f"jaxrl: stopped: {e}")
+  except Exception as e:
+    _exit_if_user_error(e, debug)
+    raise
 
 
 def run() -> None:

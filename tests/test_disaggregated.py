@@ -115,17 +115,19 @@ def test_rollout_mesh_samples_the_colocated_tokens(engine):
 def test_tensor_parallel_rollout_mesh_samples_the_same_tokens():
   """A (2, 1, 2) rollout mesh (tensor-parallel params, rows over 'data') against a colocated
   train mesh with fsdp: the same greedy tokens, log-probs within 1e-5."""
-  colocated = _parts(fsdp=4)
-  split = _parts(fsdp=4, rollout=4, rollout_tensor=2)
-  params = split.for_rollout(split.params)
+  colocated, colocated_params = _parts(fsdp=4)
+  split, split_params = _parts(fsdp=4, rollout=4, rollout_tensor=2)
+  params = split.for_rollout(split_params)
   specs = {str(x.sharding.spec) for x in jax.tree.leaves(params)}
   assert any("tensor" in s for s in specs), specs  # something is split over 'tensor'
   tasks = colocated.source.split("val")[:4]
-  prompts, valid = colocated.prompts(tasks)
+  prompts, valid = left_pad([colocated.tok.encode_prompt(t.prompt) for t in tasks],
+                            colocated.cfg.rollout.max_prompt_len, colocated.tok.pad_id)
   ids = np.arange(16, dtype=np.int32)
-  a = jax.tree.map(np.asarray, colocated.sample(colocated.params, prompts, valid,
-                                                jax.random.key(5), ids, 0.0))
-  b = jax.tree.map(np.asarray, split.sample(params, prompts, valid, jax.random.key(5), ids, 0.0))
+  a = jax.tree.map(np.asarray, colocated.train_loop().sample_first(
+      colocated_params, prompts, valid, jax.random.key(5), ids, 0.0))
+  b = jax.tree.map(np.asarray, split.train_loop().sample_first(
+      params, prompts, valid, jax.random.key(5), ids, 0.0))
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 

@@ -172,19 +172,20 @@ def test_all_skipped_updates_stop_the_run_with_a_checkpoint(tmp_path):
   assert [r["skipped_nonfinite"] for r in out.rows if r["phase"] == "rl"] == [0, 1, 1]
 
 
-def test_a_failed_background_save_is_reported_at_once(tmp_path, monkeypatch):
-  # The host item's write fails as a full disk would; `check` (called by the trainer every step)
-  # reports it in one line naming the directory and the OS error, without waiting for a save.
+def test_a_failed_checkpoint_save_is_reported_at_once(tmp_path, monkeypatch):
+  # The host item's write fails as a full disk would; `save`, or else `check` (called by the
+  # trainer every step), reports it in one line naming the directory and the OS error, without
+  # waiting for the next save.
   def full_disk(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full_disk)
   ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
-  ck.save(1, {"w": jax.numpy.ones(4)}, {"step": 1})
   with pytest.raises(checkpoint.CheckpointError,
                      match=r"saving a checkpoint in .*ck failed: OSError: \[Errno 28\] No space "
                            r"left on device; the checkpoints already there are intact") as info:
-    for _ in range(200):  # the background write fails within moments
+    ck.save(1, {"w": jax.numpy.ones(4)}, {"step": 1})  # (the write may fail in save itself)
+    for _ in range(200):  # or in the background, within moments
       ck.check()
       time.sleep(0.05)
   assert "\n" not in str(info.value)

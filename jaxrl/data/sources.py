@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Iterable, Protocol, Sequence, runtime_checkabl
 
 import numpy as np
 
+from jaxrl.errors import UserError
+
 if TYPE_CHECKING:  # only for annotations: environment modules import this module
   from jaxrl.envs.base import Task
 
@@ -119,7 +121,7 @@ class MixedSource:
     return out  # type: ignore[return-value]
 
 
-class BadRow(ValueError):
+class BadRow(UserError, ValueError):
   """A task row that cannot be used (`data.on_bad_row = "raise"`); the message names the row."""
 
 

@@ -32,8 +32,11 @@ and "correct".
 
 from __future__ import annotations
 
+import codecs
 import importlib
+import io
 import json
+import math
 import os
 import re
 import threading
@@ -45,6 +48,7 @@ import numpy as np
 from jaxrl.data.sources import SplitSource, alphabet_of
 from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
 from jaxrl.envs.registry import register
+from jaxrl.errors import DataFileError
 
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 # A minus sign belongs to the number unless it follows a word or a closing bracket ("3-5").
@@ -175,19 +179,38 @@ def math_verify_available() -> bool:
   return True
 
 
+VAL_FRACTION = 0.1  # of `task.path`'s rows held out for validation without `task.val_path`
+
+
 def math_checks(values) -> list[str]:
-  """Task 'math' reads its rows from `task.path` (and `task.val_path`, if set)."""
+  """Task 'math' reads its rows from `task.path` (and `task.val_path`, if set): each file must
+  exist and every row be valid (read whole here: a bad row is named by file and line before the
+  run creates anything), and without a `task.val_path` the held-out share of `task.path` must
+  leave at least one validation row."""
   problems, p = [], "config."
-  if "task.path" in values:
-    path = values["task.path"]
-    if not path:
+  counts = {}
+  for key, what in (("task.path", "rows"), ("task.val_path", "validation rows")):
+    path = values.get(key)
+    if key == "task.path" and path == "":
       problems.append(f"{p}task.path: task 'math' needs a JSONL file of {{\"question\", "
                       "\"answer\"} rows, got ''")
-    elif not os.path.isfile(path):
-      problems.append(f"{p}task.path: no file {path!r} (task 'math' reads its rows from it)")
-  if values.get("task.val_path") and not os.path.isfile(values["task.val_path"]):
-    problems.append(f"{p}task.val_path: no file {values['task.val_path']!r} (task 'math' reads "
-                    "its validation rows from it)")
+    if not path:
+      continue
+    if not os.path.isfile(path):
+      problems.append(f"{p}{key}: no file {path!r} (task 'math' reads its {what} from it)")
+      continue
+    try:
+      counts[key] = len(read_jsonl(path))
+    except DataFileError as e:
+      problems.append(f"{p}{key}: {e}")
+    except OSError as e:
+      problems.append(f"{p}{key}: {path} cannot be read: {e.strerror or e}")
+  n = counts.get("task.path")
+  if n is not None and "task.val_path" in values and not values["task.val_path"] and \
+      int(n * VAL_FRACTION) == 0:
+    problems.append(f"{p}task.path: its {n} row(s) leave no validation rows ({VAL_FRACTION:.0%} "
+                    f"are held out); give at least {math.ceil(1 / VAL_FRACTION)} rows or a "
+                    f"{p}task.val_path")
   return problems
 
 
@@ -235,43 +258,56 @@ def gold_answer(answer: str) -> str:
 
 
 def check_row(row: Any, where: str) -> tuple[str, str]:
-  """(question, answer) of a row, or ValueError naming `where` (file:line) and the problem."""
+  """(question, answer) of a row, or a DataFileError (a ValueError) naming `where` (file and
+  line) and the problem."""
   if not isinstance(row, Mapping):
-    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    raise DataFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
   out = []
   for key in ("question", "answer"):
     if key not in row:
-      raise ValueError(f"{where}: missing field {key!r}")
+      raise DataFileError(f"{where}: missing field {key!r}")
     value = row[key]
     if not isinstance(value, str):
-      raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+      raise DataFileError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
     if not value.strip():
-      raise ValueError(f"{where}: field {key!r} is empty")
+      raise DataFileError(f"{where}: field {key!r} is empty")
     out.append(value)
   if not gold_answer(out[1]):
-    raise ValueError(f"{where}: field 'answer' has nothing after its last '####'")
+    raise DataFileError(f"{where}: field 'answer' has nothing after its last '####'")
   return out[0], out[1]
 
 
 def read_jsonl(path: str | os.PathLike) -> list[tuple[str, str]]:
-  """Every row of a JSONL file; a bad line is a ValueError naming the file and line number.
+  """Every row of a UTF-8 JSONL file; a bad line is a DataFileError (a ValueError) naming the
+  file and line number.
 
   Blank lines are skipped (they hold no row); every other line must be a valid row, so nothing
-  is dropped silently.
+  is dropped silently. Bytes that are not UTF-8 are named by line and column too (a UTF-8
+  byte-order mark at the start is allowed).
   """
+  name = os.fspath(path)
+  with open(path, "rb") as f:
+    data = f.read()
+  data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    lineno, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+    raise DataFileError(f"{name} line {lineno}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                        f"column {column}); save the file as UTF-8") from None
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{os.fspath(path)} line {lineno}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      rows.append(check_row(row, where))
+  for lineno, line in enumerate(io.StringIO(text, newline=None), 1):
+    if not line.strip():
+      continue
+    where = f"{name} line {lineno}"
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataFileError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    rows.append(check_row(row, where))
   if not rows:
-    raise ValueError(f"{os.fspath(path)}: no rows")
+    raise DataFileError(f"{name}: no rows (task 'math' needs one {{\"question\", \"answer\"}} "
+                        "JSON object per line)")
   return rows
 
 
@@ -300,7 +336,7 @@ class MathSource(SplitSource):
 
   @classmethod
   def from_jsonl(cls, path: str | os.PathLike, val_path: str | os.PathLike | None = None,
-                 val_fraction: float = 0.1, seed: int = 0, name: str = "math",
+                 val_fraction: float = VAL_FRACTION, seed: int = 0, name: str = "math",
                  instruction: str = "") -> MathSource:
     """Rows of `path`; val is `val_path`'s rows, or else a seeded `val_fraction` of `path`.
 

@@ -30,6 +30,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxrl.errors import UserError
 from jaxrl.models.transformer import DTYPES, ModelConfig, abstract_model
 
 CONFIG_FILE = "config.json"
@@ -48,8 +49,13 @@ _HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "flo
                    "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(UserError, ValueError):
   """A checkpoint directory that does not match what its config or index promises."""
+
+
+class UnsupportedModelError(UserError, NotImplementedError):
+  """A model config.json asking for something the jaxrl model cannot represent (an architecture,
+  a rope type, biases, ...): refused rather than silently dropped."""
 
 
 def _per_layer(name: str) -> str:
@@ -116,13 +122,13 @@ _ROPE_TYPES = {
 def _rope_scaling(hf: dict, field: str, spec: dict, config_path: str) -> dict:
   """`ModelConfig` rope-scaling fields from one rope dict (`rope_scaling` or `rope_parameters`)."""
   if any(isinstance(v, dict) for v in spec.values()):
-    raise NotImplementedError(f"{config_path}: {field} with per-layer-type entries is not "
-                              "supported (jaxrl's rope is the same for every layer)")
+    raise UnsupportedModelError(f"{config_path}: {field} with per-layer-type entries is not "
+                                "supported (jaxrl's rope is the same for every layer)")
   kind = spec.get("rope_type", spec.get("type", "default"))
   if kind in (None, "default"):
     return {"rope_scaling": "none"}
   if kind not in _ROPE_TYPES:
-    raise NotImplementedError(
+    raise UnsupportedModelError(
         f"{config_path}: {field}.rope_type={kind!r} is not supported (jaxrl's rope implements "
         f"unscaled, {' and '.join(repr(k) for k in _ROPE_TYPES)} rotary embeddings); remove the "
         "field only if the checkpoint was trained without it")
@@ -161,8 +167,8 @@ def _rope_fields(hf: dict, config_path: str) -> dict:
   partial["partial_rotary_factor"] = hf.get("partial_rotary_factor")
   for name, value in partial.items():
     if value is not None and float(value) != 1.0:
-      raise NotImplementedError(f"{config_path}: {name}={value!r} is not supported (jaxrl's "
-                                "rope rotates the whole head)")
+      raise UnsupportedModelError(f"{config_path}: {name}={value!r} is not supported (jaxrl's "
+                                  "rope rotates the whole head)")
   scalings = {field: _rope_scaling(hf, field, spec, config_path)
               for field, spec in specs.items()}
   if len(scalings) == 2 and scalings["rope_scaling"] != scalings["rope_parameters"]:
@@ -179,20 +185,20 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
   archs = hf.get("architectures") or []
   supported = [a for a in archs if a in ARCHITECTURES]
   if len(archs) != 1 or not supported:
-    raise NotImplementedError(f"{config_path}: architectures={archs!r} is not supported; "
-                              f"expected one of {sorted(ARCHITECTURES)}")
+    raise UnsupportedModelError(f"{config_path}: architectures={archs!r} is not supported; "
+                                f"expected one of {sorted(ARCHITECTURES)}")
   _, qkv_bias, qk_norm = ARCHITECTURES[supported[0]]
   act = hf.get("hidden_act", "silu")
   if act != "silu":
-    raise NotImplementedError(f"{config_path}: hidden_act={act!r} is not supported (only silu)")
+    raise UnsupportedModelError(f"{config_path}: hidden_act={act!r} is not supported (only silu)")
   if not qkv_bias and hf.get("attention_bias", False):
     # Llama/Qwen3 attention_bias also adds an o_proj bias, which the model has no slot for.
-    raise NotImplementedError(f"{config_path}: attention_bias=true is not supported for "
-                              f"{supported[0]} (the model has no o_proj bias)")
+    raise UnsupportedModelError(f"{config_path}: attention_bias=true is not supported for "
+                                f"{supported[0]} (the model has no o_proj bias)")
   if hf.get("mlp_bias", False):
-    raise NotImplementedError(f"{config_path}: mlp_bias=true is not supported")
+    raise UnsupportedModelError(f"{config_path}: mlp_bias=true is not supported")
   if hf.get("use_sliding_window", False):
-    raise NotImplementedError(f"{config_path}: use_sliding_window=true is not supported")
+    raise UnsupportedModelError(f"{config_path}: use_sliding_window=true is not supported")
   rope = _rope_fields(hf, config_path)
   try:
     d_model = int(hf["hidden_size"])
@@ -215,10 +221,19 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
     raise HFCheckpointError(f"{config_path}: missing field {e.args[0]!r}") from None
 
 
+def _open_safetensors(path: str):
+  """`safe_open(path)`; a file the library cannot read is an HFCheckpointError naming it (the
+  library's own error does not)."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return safe_open(path, framework="numpy")
+  except SafetensorError as e:
+    raise HFCheckpointError(f"{path}: cannot read: {e}; download it again") from e
+
+
 def _tensor_files(model_dir: str) -> dict[str, str]:
   """HF tensor name -> the safetensors file that holds it."""
-  from safetensors import safe_open
-
   index_path = os.path.join(model_dir, INDEX_FILE)
   single_path = os.path.join(model_dir, SINGLE_FILE)
   if os.path.exists(index_path):
@@ -234,7 +249,7 @@ def _tensor_files(model_dir: str) -> dict[str, str]:
       files[shard] = path
     return {name: files[shard] for name, shard in weight_map.items()}
   if os.path.exists(single_path):
-    with safe_open(single_path, framework="numpy") as f:
+    with _open_safetensors(single_path) as f:
       return {name: single_path for name in f.keys()}
   raise HFCheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
 
@@ -249,8 +264,6 @@ def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
   `jaxrl.parallel.param_shardings`; otherwise on the default device. The host holds one converted
   copy of the parameters until placement, released leaf by leaf.
   """
-  from safetensors import safe_open
-
   config_path = os.path.join(model_dir, CONFIG_FILE)
   if not os.path.exists(config_path):
     raise HFCheckpointError(f"{config_path} is missing")
@@ -279,7 +292,7 @@ def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
             jax.tree_util.tree_flatten_with_path(abstract)[0]}
   host = {name: np.empty(shapes[name], np_dtype) for name in layout}
   for path, slots in wanted.items():
-    with safe_open(path, framework="numpy") as f:
+    with _open_safetensors(path) as f:
       for name, i, tensor in slots:
         _, to_jaxrl, to_hf = layout[name]
         want = _hf_shape(shapes[name][1:] if i is not None else shapes[name], to_hf)
@@ -311,8 +324,8 @@ def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
 def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
   """The `config.json` dict for `cfg` as `architecture`; refuses a mismatched variant."""
   if architecture not in ARCHITECTURES:
-    raise NotImplementedError(f"architecture={architecture!r} is not supported; expected one of "
-                              f"{sorted(ARCHITECTURES)}")
+    raise UnsupportedModelError(f"architecture={architecture!r} is not supported; expected one of "
+                                f"{sorted(ARCHITECTURES)}")
   model_type, qkv_bias, qk_norm = ARCHITECTURES[architecture]
   if (cfg.qkv_bias, cfg.qk_norm) != (qkv_bias, qk_norm):
     raise ValueError(f"{architecture} needs qkv_bias={qkv_bias}, qk_norm={qk_norm}; the model "
@@ -388,5 +401,5 @@ def save_hf(model_dir: str, cfg: ModelConfig, params, *, architecture: str) -> N
     f.write("\n")
 
 
-__all__ = ["ARCHITECTURES", "HFCheckpointError", "config_from_hf", "config_to_hf", "load_hf",
-           "save_hf"]
+__all__ = ["ARCHITECTURES", "HFCheckpointError", "UnsupportedModelError", "config_from_hf",
+           "config_to_hf", "load_hf", "save_hf"]
