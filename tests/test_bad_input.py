@@ -132,6 +132,7 @@ def _run(built, tmp_path, ckpt=None, on_batch=None, rl_step=None):
   return [r for r in out.rows if r["phase"] == "rl"]
 
 
+@pytest.mark.slow  # a whole run (fast-suite time budget)
 def test_bad_rows_in_training_are_skipped_and_counted(tmp_path):
   cfg = _tiny_cfg()
   parts = _parts(cfg, source=_Injecting(parts_lib.task_source(cfg)))
@@ -157,6 +158,7 @@ def _poison(poisons):
   return on_batch
 
 
+@pytest.mark.slow  # a whole run (fast-suite time budget)
 def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path):
   parts = _parts(_tiny_cfg(rollout_kl__coef=0.1))
   rl = _run(parts, tmp_path, on_batch=_poison({3: "logprobs"}))
@@ -166,6 +168,7 @@ def test_non_finite_log_probs_skip_the_update_and_training_continues(tmp_path):
   assert all(np.isfinite(r["grad_norm"]) for i, r in enumerate(rl) if i != 2)
 
 
+@pytest.mark.slow  # a whole run (fast-suite time budget)
 def test_non_finite_rewards_are_excluded_and_counted(tmp_path):
   # A row with a NaN or infinite reward is excluded like a failed sample (advantage 0, out of
   # its group's statistics); the update goes ahead, finite.

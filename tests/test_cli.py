@@ -114,6 +114,7 @@ def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   assert image.shape == (450, 800, 3)
 
 
+@pytest.mark.slow  # a whole run (fast-suite time budget)
 def test_tiny_run_with_lag_two_reports_exact_staleness(tmp_path):
   # Step s (1-based) trains on batch s - 1, generated with the params published after step
   # s - 1 - L: first-token staleness is exactly min(s - 1, 2); the ring holds at most 3 batches.

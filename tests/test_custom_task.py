@@ -8,6 +8,8 @@ import json
 import pathlib
 import re
 
+import pytest
+
 from test_cli import _train
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -20,6 +22,7 @@ def _recipe() -> str:
   return blocks[0]
 
 
+@pytest.mark.slow  # a whole run (fast-suite time budget)
 def test_readme_custom_task_recipe_trains(tmp_path):
   (tmp_path / "my_recipe.py").write_text(_recipe())
   run_dir = tmp_path / "run"

@@ -37,7 +37,10 @@ def _randomise_biases(params, seed):
                                    for x, k in zip(leaves, keys)])
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# Two variants in the fast suite, all four with `pytest -m slow` (fast-suite time budget).
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.slow) if v in ("llama3_rope_unrolled", "qwen2_bias_tied")
+    else v for v in sorted(VARIANTS)])
 def test_cached_greedy_decode_equals_no_cache_recompute(variant):
   cfg = tiny_model_config(**VARIANTS[variant])
   graphdef, params = init_model(cfg, seed=1)
@@ -87,6 +90,7 @@ def test_left_padding_does_not_change_a_prompts_continuation():
   np.testing.assert_allclose(np.asarray(padded.logprobs), np.asarray(bare.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow  # two models compiled (fast-suite time budget)
 def test_scan_and_unrolled_layers_agree():
   outs = []
   for scan in (True, False):
@@ -121,6 +125,7 @@ def test_qwen2_5_0_5b_preset_matches_the_published_shapes():
   assert n == 494_032_768
 
 
+@pytest.mark.slow  # two models compiled (fast-suite time budget)
 def test_bfloat16_compute_keeps_float32_logprobs():
   # Same f32 parameters, bf16 compute: log-probs stay float32 and close to the f32 model's
   # (bf16 has ~3 significant digits, so the tolerance is loose but far below a wrong model's).

@@ -52,6 +52,7 @@ def _keyed(rows):
   return [(r["phase"], r.get("step")) for r in rows]
 
 
+@pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_a_rerun_without_a_checkpoint_starts_clean(tmp_path):
   # Killed (here: stopped by a signal) in the warm-up, before any checkpoint: the rerun must not
   # append to the old metrics.jsonl; the old files are moved aside, named, not deleted.
@@ -65,6 +66,7 @@ def test_a_rerun_without_a_checkpoint_starts_clean(tmp_path):
   assert not (run_dir / LOCK_FILE).exists()  # released
 
 
+@pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_resume_none_refuses_a_used_directory_unless_overwrite(tmp_path):
   run_dir = tmp_path / "run"
   _run(run_dir, train__steps=2)
@@ -93,35 +95,35 @@ def _same_metrics(a, b):
         {k: v for k, v in rb.items() if not _timing(k)}, (ra["phase"], ra.get("step"))
 
 
-@pytest.mark.parametrize("damage", ["host_json", "array_data"])
-def test_a_bad_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, damage):
-  # Lag 2, checkpoints at steps 2, 4, 6; the run ends at 6. Step 6 is damaged (truncated host
-  # JSON: found when choosing; truncated array data: found by the restore), and the run is
-  # extended to 8 steps: it resumes from step 4, names step 6 in one line, and its metrics from
-  # step 5 on equal those of a run that went to 8 steps without stopping.
+@pytest.mark.slow  # three short runs (fast-suite time budget)
+def test_bad_newest_checkpoints_fall_back_to_the_one_before(tmp_path, capsys):
+  # Lag 2, checkpoints at steps 2, 4, 6; the run ends at 6. Step 6 gets a truncated host JSON
+  # (found when the checkpoint is chosen) and step 4 truncated array data (found by its restore).
+  # Extended to 8 steps, the run names both in one line each, resumes from step 2, and its
+  # metrics from step 3 on equal those of a run that went to 8 steps without stopping.
   over = dict(rollout__lag=2, checkpoint__keep=3, val__every=3, val__at_end=True)
   whole = tmp_path / "whole"
   _run(whole, train__steps=8, **over)
   run_dir = tmp_path / "run"
   _run(run_dir, train__steps=6, **over)
-  step6 = run_dir / "checkpoints" / "6"
-  if damage == "host_json":
-    path = step6 / "host" / "metadata"
-    path.write_bytes(path.read_bytes()[:20])
-  else:
-    for f in (step6 / "state" / "d").iterdir():
-      f.write_bytes(f.read_bytes()[:max(1, len(f.read_bytes()) // 2)])
+  host = run_dir / "checkpoints" / "6" / "host" / "metadata"
+  host.write_bytes(host.read_bytes()[:20])
+  for f in (run_dir / "checkpoints" / "4" / "state" / "d").iterdir():
+    f.write_bytes(f.read_bytes()[:max(1, len(f.read_bytes()) // 2)])
   capsys.readouterr()
   summary = _run(run_dir, train__steps=8, **over)
   said = capsys.readouterr().out
   # This process did not warm up: the summary says where it resumed, not the old warm-up time.
-  assert summary["resumed_from_step"] == 4 and "sft/time_s" not in summary
-  lines = [ln for ln in said.splitlines() if "checkpoints/6" in ln]
-  assert len(lines) == 1 and "trying the one before it" in lines[0], said
+  assert summary["resumed_from_step"] == 2 and "sft/time_s" not in summary
+  for step, why in ((6, "is unusable (host/metadata is unreadable (JSONDecodeError"),
+                    (4, "is unreadable: ")):
+    lines = [ln for ln in said.splitlines() if f"checkpoints/{step} " in ln]
+    assert len(lines) == 1 and why in lines[0] and "trying the one before it" in lines[0], said
   _same_metrics([r for r in _rows(run_dir) if r["phase"] != "summary"],
                 [r for r in _rows(whole) if r["phase"] != "summary"])
 
 
+@pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_changing_a_checkpoint_key_is_refused_before_config_json_changes(tmp_path):
   run_dir = tmp_path / "run"
   _run(run_dir, train__steps=2, rollout__lag=2)
@@ -136,6 +138,7 @@ def test_changing_a_checkpoint_key_is_refused_before_config_json_changes(tmp_pat
       "resumed_from_step"] == 2
 
 
+@pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_one_run_per_directory(tmp_path):
   run_dir = tmp_path / "run"
   holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -155,6 +158,7 @@ def test_one_run_per_directory(tmp_path):
   assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_all_skipped_updates_stop_the_run_with_a_checkpoint(tmp_path):
   cfg = _cfg(rollout_kl__coef=0.1, train__max_consecutive_skipped=2)
   parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))

@@ -81,6 +81,7 @@ def test_fsdp_step_with_row_split_activations_matches_single_device(devices, rem
   assert _max_param_diff(state.params, ref_state.params) <= 1e-5
 
 
+@pytest.mark.slow  # 8-device compiles (fast-suite time budget)
 def test_activations_are_constrained_to_rows_only_on_a_multi_device_mesh(devices):
   # The residual stream of every layer is pinned to ('data', 'fsdp') when the step has more
   # than one row shard, and nothing is added on one device (the default run's program).
@@ -128,6 +129,7 @@ def test_non_finite_gradient_skips_the_update():
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.opt_state))
 
 
+@pytest.mark.slow  # compiles a step (fast-suite time budget)
 def test_sft_loss_decreases_on_a_fixed_batch():
   _, _, losses = _run((1, 1, 1), loss="sft", steps=15)
   # lr 1e-3 on one batch: the NLL falls every step (3.47 -> 2.80 over 15 steps when written).
@@ -178,9 +180,8 @@ _FULL = StepConfig(objective=losses.ObjectiveConfig(
 
 
 # The second reduction runs in the slow step (fast-suite time budget).
-@pytest.mark.parametrize("reduction", ["token_mean",
-                                       pytest.param("seq_mean_token_sum_norm",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.slow  # 8-device compiles (fast-suite time budget)
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_sum_norm"])
 def test_full_objective_microbatched_matches_single_batch(reduction):
   cfg = dataclasses.replace(_FULL, objective=dataclasses.replace(_FULL.objective,
                                                                  reduction=reduction))
@@ -195,6 +196,7 @@ def test_full_objective_microbatched_matches_single_batch(reduction):
   assert float(m["ref_kl"]) > 0 and float(m["rollout_kl"]) > 0
 
 
+@pytest.mark.slow  # 8-device compiles (fast-suite time budget)
 def test_padding_rows_add_exactly_nothing():
   # 16 real rows plus 16 padding rows built from the real batch's pytree (same fields, dtypes
   # and trailing shapes), loss mask all False and NaN sampler log-probs: with 4 micro-batches the
@@ -213,6 +215,7 @@ def test_padding_rows_add_exactly_nothing():
     np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow  # compiles a step (fast-suite time budget)
 def test_missing_rollout_logprobs_fails_on_the_host_naming_the_field():
   mesh = parallel.make_mesh(1, 1, 1)
   graphdef, params = init_model(tiny_model_config(), seed=0)
