@@ -319,7 +319,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
         break
       except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
         progress.say(f"{e}; trying the one before it")
-        unreadable.add(e.step)
+        # That step and the newer ones (reported when it was chosen) are passed over silently.
+        unreadable.update(s for s in checkpoint.complete_steps(e.directory) if s >= e.step)
         out.close()
         start = run_dir_lib.decide(cfg, run_dir, progress.say, unreadable, write=False)
     summary = {**warm, **rl_summary}
