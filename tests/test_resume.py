@@ -25,6 +25,8 @@ from test_cli import _tiny
 STEPS = 12
 TIMING_PREFIXES = ("perf/", "pipeline/", "data_plane/")
 TIMING_KEYS = {"val/time_s", "val/trainer_wait_s", "sft/time_s", "rl/time_s", "total_time_s"}
+# The resumed run's summary says where it resumed (the uninterrupted run's has no such key).
+RESUME_KEYS = {"resumed_from_step"}
 
 
 def _args(run_dir, lag, *extra):
@@ -74,7 +76,7 @@ def _comparable(rows):
     key = (r["phase"], r.get("step"))
     assert key not in out, f"duplicate row {key}"
     out[key] = {k: v for k, v in r.items()
-                if not k.startswith(TIMING_PREFIXES) and k not in TIMING_KEYS}
+                if not k.startswith(TIMING_PREFIXES) and k not in TIMING_KEYS | RESUME_KEYS}
   return out
 
 
