@@ -48,9 +48,10 @@ class RunDirLock:
     self.path = os.path.join(run_dir, LOCK_FILE)
     self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    self.held = False
+    self.held = self.created = False
 
   def acquire(self) -> RunDirLock:
+    self.created = not os.path.exists(self.run_dir)  # removed again if the run writes nothing
     os.makedirs(self.run_dir, exist_ok=True)
     for _ in range(2):  # a second try after taking over a stale lock
       try:
@@ -87,6 +88,8 @@ class RunDirLock:
       self.held = False
       if self._read() == self.owner:
         os.remove(self.path)
+      if self.created and not os.listdir(self.run_dir):  # a run refused before writing anything
+        os.rmdir(self.run_dir)
 
   def __enter__(self) -> RunDirLock:
     return self.acquire()

@@ -136,6 +136,11 @@ def test_changing_a_checkpoint_key_is_refused_before_config_json_changes(tmp_pat
   # Keys the checkpoint does not depend on may change: more steps, another learning rate.
   assert _run(run_dir, train__steps=3, rollout__lag=2, train__learning_rate=1e-4)[
       "resumed_from_step"] == 2
+  # Resuming another directory's checkpoint with a changed key: refused, nothing created.
+  fresh = tmp_path / "fresh"
+  with pytest.raises(RunDirError, match="config.rollout.lag = 2 in the checkpoint, 1 now"):
+    _run(fresh, train__steps=4, rollout__lag=1, resume=str(run_dir))
+  assert not fresh.exists()
 
 
 @pytest.mark.slow  # whole runs (fast-suite time budget)
