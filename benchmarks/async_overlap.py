@@ -7,6 +7,13 @@ a lag-0 step measured first without a delay (step time minus sampling time: the 
 its bookkeeping), so scoring and training take about as long. At lag 0 the trainer waits for
 every batch; at lag 1 the worker generates and scores batch t+1 while step t trains.
 
+`--processes N` runs the same on N processes joined on 127.0.0.1 (gloo; `--devices` simulated CPU
+devices each, the mesh's 'data' axis over all of them): each process's rollout worker makes its
+share of every batch on its own devices while the trainer threads train, publish and assemble
+batches in lockstep; each process's reward sleeps the delay for its share (the default delay is
+measured as on one process, `perf/sample_time_s` being the slowest process's). Process 0
+reports.
+
 Prints ONE JSON object (progress on stderr). Runs alternate lag 0 and lag 1; steps/s per run
 is wall-clock steps per second from the end of step `skip + 1` to the end of the last step
 (the first steps compile; evaluation runs only before and after); `speedup` is the median over
@@ -14,6 +21,7 @@ pairs of the lag-1 / lag-0 ratio.
 
   PYTHONPATH=. python benchmarks/async_overlap.py [--steps 40] [--repeats 3] [--reward-delay-s X]
   PYTHONPATH=. python benchmarks/async_overlap.py --quick
+  PYTHONPATH=. python benchmarks/async_overlap.py --processes 2 [--devices 1]
 """
 
 from __future__ import annotations
@@ -23,12 +31,15 @@ import io
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import jax
+import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
@@ -38,7 +49,8 @@ from jaxrl.configs.default import get_config
 
 
 def log(*a):
-  print(*a, file=sys.stderr, flush=True)
+  if jax.process_index() == 0:
+    print(*a, file=sys.stderr, flush=True)
 
 
 def run(lag: int, steps: int, delay: float, skip: int) -> dict:
@@ -49,7 +61,9 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
   # No validation: an asynchronous pass would share the CPU with the timed steps.
   cfg.val.every = 10**6
   cfg.val.at_start = cfg.val.at_end = False
-  mesh = config_lib.validate(cfg, jax.device_count())
+  if jax.process_count() > 1:
+    cfg.mesh.data = -1  # rows over every process's devices
+  mesh = config_lib.validate(cfg, jax.device_count(), num_processes=jax.process_count())
   parts, params = build_parts(cfg, mesh)
   env = parts.envs["add"]
   score = env.step
@@ -87,7 +101,18 @@ def main():
   ap.add_argument("--reward-delay-s", type=float, default=0.0,
                   help="seconds per batch in the reward function; 0 = the measured train step")
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--processes", type=int, default=1,
+                  help="processes joined on 127.0.0.1 (gloo), each with --devices CPU devices")
+  ap.add_argument("--devices", type=int, default=1, help="simulated CPU devices per process")
+  ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.processes > 1 and args.process_id is None:
+    return launch(args)
+  if args.process_id is not None:
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.processes, process_id=args.process_id,
+                               initialization_timeout=120)
   if args.quick:
     args.steps, args.repeats, args.skip = 12, 1, 4
   t0 = time.perf_counter()
@@ -95,6 +120,9 @@ def main():
   if delay <= 0:
     probe = run(0, args.skip + 10, 0.0, args.skip)
     delay = round(probe["median_train_s_at_lag0"], 3)
+    if jax.process_count() > 1:  # process 0's measurement, on every process
+      from jax.experimental import multihost_utils
+      delay = float(multihost_utils.broadcast_one_to_all(np.float64(delay)))
     log(f"no reward delay: median step {probe['median_step_s'] * 1e3:.1f} ms, of which "
         f"sampling {probe['median_sample_s'] * 1e3:.1f} ms; reward delay set to the rest "
         f"(train step + bookkeeping) = {delay * 1e3:.0f} ms")
@@ -110,6 +138,7 @@ def main():
   report = {
       "benchmark": "async_overlap",
       "quick": args.quick,
+      "processes": jax.process_count(), "devices_per_process": jax.local_device_count(),
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                   "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
       "versions": {"jax": jax.__version__, "python": platform.python_version()},
@@ -123,7 +152,32 @@ def main():
       "runs": runs,
       "total_wall_s": round(time.perf_counter() - t0, 1),
   }
-  print(json.dumps(report, indent=2))
+  if jax.process_index() == 0:
+    print(json.dumps(report, indent=2))
+
+
+def launch(args) -> None:
+  """Starts this script on `args.processes` local processes; relays process 0's report."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
+  argv = [a for a in sys.argv[1:]]
+  procs = [subprocess.Popen([sys.executable, __file__, *argv, f"--process-id={i}",
+                             f"--coordinator=127.0.0.1:{port}"], env=env,
+                            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL)
+           for i in range(args.processes)]
+  out = procs[0].communicate()[0].decode()
+  codes = [p.wait() for p in procs]
+  # The report is the JSON object at the end; gloo writes its connection lines to stdout first.
+  lines = out.splitlines(keepends=True)
+  first = next((i for i, line in enumerate(lines) if line.startswith("{")), len(lines))
+  sys.stdout.write("".join(lines[first:]))
+  if any(codes):
+    raise SystemExit(f"processes exited with {codes}")
 
 
 if __name__ == "__main__":

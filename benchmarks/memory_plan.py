@@ -4,8 +4,12 @@ For Qwen2.5-0.5B / 1.5B / 7B shapes (or any `ModelConfig`) and a ('data', 'fsdp'
 params, optimizer state, gradients, train batch and the sampler's KV cache per device, from
 `jax.eval_shape` of jaxrl's own builders (`build_train_step`, `make_optimizer`, `make_sampler`)
 under the shardings they use; with `--compile`, also the compiled train step's and sampler's
-`memory_analysis()`. Nothing is allocated: every argument is a `jax.ShapeDtypeStruct`, so sizing
-a 7B run needs no weights and no accelerator (simulate the slice with `--devices N`).
+`memory_analysis()`. The KV cache is sized on the rollout mesh (`--rollout-mesh`, default the
+train mesh: colocated), split as the sampler pins it (rows over 'data', kv heads over 'tensor':
+`parallel.sharding.kv_cache_shardings`), next to its replicated size (every device holding all
+of it, as before the sampler pinned it). Nothing is allocated: every argument is a
+`jax.ShapeDtypeStruct`, so sizing a 7B run needs no weights and no accelerator (simulate the
+slice with `--devices N`).
 
 Prints one JSON object per model (one line each, as it finishes) and then a summary object
 (one line) on stdout; progress goes to stderr. `--out FILE` writes all of it as one JSON object.
@@ -25,6 +29,9 @@ counts in full on every device). Totals:
   PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b,1.5b --devices 8 --compile
   PYTHONPATH=. python benchmarks/memory_plan.py --quick   # smoke test: tiny model, compiled
   PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b --compile --remat full
+  # a recipe's sizes, dtypes, step and mesh; its KV cache on an 8-device rollout mesh
+  PYTHONPATH=. python benchmarks/memory_plan.py --recipe configs/qwen2_5_0_5b_gsm8k.py
+      --models 0.5b --devices 8 --rollout-mesh 8,1,1
 
 `--remat none|full|dots` sets `ModelConfig.remat` (per-layer rematerialisation in the train step;
 the sampler never uses it); the default is the default run config's `model.remat` ("none").
@@ -55,6 +62,7 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f"--xla_force_host_platform_device_count={_n}"])
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -68,6 +76,7 @@ from jaxrl.configs.default import get_config  # noqa: E402
 from jaxrl.kernels.fused_logprob.api import default_impl  # noqa: E402
 from jaxrl.models.transformer import REMAT_POLICIES, ModelConfig, abstract_model  # noqa: E402
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
+from jaxrl.parallel.sharding import kv_cache_shardings, mesh_of  # noqa: E402
 from jaxrl.rollout.sampler import make_sampler  # noqa: E402
 from jaxrl.train_step import build_train_step, make_optimizer  # noqa: E402
 from jaxrl.rl_step import rl_step_config  # noqa: E402
@@ -186,10 +195,10 @@ def memory_stats(compiled) -> tuple[dict | None, str | None]:
   return out, note
 
 
-def _compile(name: str, jitted, *args) -> tuple[object, dict]:
+def _compile(name: str, jitted, *args, **kwargs) -> tuple[object, dict]:
   log(f"compiling {name} ...")
   t0 = time.perf_counter()
-  lowered = jitted.lower(*args)
+  lowered = jitted.lower(*args, **kwargs)
   t1 = time.perf_counter()
   opts = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
   compiled = lowered.compile(compiler_options=opts) if opts else lowered.compile()
@@ -227,12 +236,58 @@ def check_sizes(s: Sizes, mesh) -> None:
     raise ValueError("--seq must exceed the train prompt length")
 
 
+def rollout_inputs(model_cfg: ModelConfig, rollout_mesh, sizes: Sizes, graphdef=None,
+                   params=None):
+  """The static sampler and its abstract inputs as the trainer calls it on `rollout_mesh`: params
+  by the logical-axis rules there, prompt rows over 'data' where it divides them (`rows_over`)
+  -> (sampler, params, (prompts, prompt_valid), the mesh its programs split the cache over)."""
+  if graphdef is None:
+    graphdef, params = abstract_model(model_cfg)
+  sample = make_sampler(graphdef, num_samples=sizes.group, max_new_tokens=sizes.new_tokens,
+                        eos_id=0, pad_id=0)
+  sharded_params = with_shardings(params, param_shardings(params, rollout_mesh))
+  P, Lp = sizes.prompts, sizes.prompt_len
+  rows = None if P % rollout_mesh.shape["data"] else \
+      jax.sharding.NamedSharding(rollout_mesh, jax.sharding.PartitionSpec("data"))
+  prompts = (jax.ShapeDtypeStruct((P, Lp), jnp.int32, sharding=rows),
+             jax.ShapeDtypeStruct((P, Lp), jnp.bool_, sharding=rows))
+  return sample, sharded_params, prompts, mesh_of(sharded_params)
+
+
+def kv_cache_plan(model_cfg: ModelConfig, rollout_mesh, sizes: Sizes, graphdef=None,
+                  params=None) -> tuple[dict, object]:
+  """The sampler's KV cache for P x G rows on `rollout_mesh`, from `jax.eval_shape` of its
+  prefill -> (report, the cache as ShapeDtypeStructs with the shardings the sampler pins).
+
+  `replicated_bytes`: per device with the whole cache on every device (before the sampler pinned
+  it; XLA's choice could split kv heads over 'tensor' at most). `per_device_bytes`: as pinned,
+  rows over 'data' and kv heads over 'tensor' (a dim they do not divide replicated)."""
+  sample, sharded_params, prompts, mesh = rollout_inputs(model_cfg, rollout_mesh, sizes, graphdef,
+                                                         params)
+  cache, _, _ = jax.eval_shape(functools.partial(sample.prefill, mesh=mesh), sharded_params,
+                               *prompts)
+  cache = with_shardings(cache, kv_cache_shardings(cache, rollout_mesh))
+  stacked = lambda x: [len(x), *x[0].shape] if isinstance(x, tuple) else list(x.shape)
+  first = lambda t: jax.tree.leaves(t)[0]  # unrolled models: one array per layer
+  kv = {"k_shape": stacked(cache.k), "v_shape": stacked(cache.v),
+        "dtype": str(np.dtype(first(cache.k).dtype)), "rows": sizes.prompts * sizes.group,
+        "slots": sizes.prompt_len + sizes.new_tokens, "rollout_mesh": dict(rollout_mesh.shape),
+        "sharding": {"k": spec_str(first(cache.k).sharding), "v": spec_str(first(cache.v).sharding),
+                     "valid": spec_str(cache.valid.sharding)},
+        "sharded_as": "pinned by the sampler: rows over 'data', kv heads over 'tensor'",
+        "replicated_bytes": global_bytes(cache), "per_device_bytes": per_device_bytes(cache),
+        "shards": global_bytes((cache.k, cache.v)) // per_device_bytes((cache.k, cache.v))}
+  return kv, cache
+
+
 def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = False,
-         compile_rollout: bool = False, compile_decode: bool = True, cfg=None) -> dict:
+         compile_rollout: bool = False, compile_decode: bool = True, cfg=None,
+         rollout_mesh=None) -> dict:
   """Per-device memory of one GRPO setup. `cfg`: a run config (default: `get_config()`) whose
   `train` (optimizer) and `loss` / `advantage` / `rollout_kl` / `ref_kl` sections pick the step.
-  `compile_rollout` compiles the sampler's prefill (which fixes the KV cache's sharding) and, with
-  `compile_decode`, its decode loop."""
+  `rollout_mesh` (default `mesh`: colocated) is where the sampler runs. `compile_rollout`
+  compiles the sampler's prefill (its output shardings must be the cache's planned ones) and,
+  with `compile_decode`, its decode loop."""
   check_sizes(sizes, mesh)
   cfg = cfg or get_config()
   t = cfg.train
@@ -259,45 +314,38 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
        "ref_params": global_bytes(state.ref_params) if state.ref_params is not None else 0,
        "train_batch": global_bytes(batch)}
 
-  # ---- rollout: the sampler exactly as the trainer builds it (prompts from numpy, params on
-  # the trainer's mesh). It sets no sharding of its own: XLA decides the cache's layout.
-  sample = make_sampler(graphdef, num_samples=sizes.group, max_new_tokens=sizes.new_tokens,
-                        eos_id=0, pad_id=0)
-  sharded_params = with_shardings(params, param_shardings(params, mesh))
-  P, Lp = sizes.prompts, sizes.prompt_len
-  prompts = (jax.ShapeDtypeStruct((P, Lp), jnp.int32), jax.ShapeDtypeStruct((P, Lp), jnp.bool_))
-  cache, first_logits, prompt_lens = jax.eval_shape(sample.prefill, sharded_params, *prompts)
-  stacked = lambda x: [len(x), *x[0].shape] if isinstance(x, tuple) else list(x.shape)
-  kv = {"k_shape": stacked(cache.k), "v_shape": stacked(cache.v),
-        "dtype": str(np.dtype(jax.tree.leaves(cache.k)[0].dtype)), "rows": P * sizes.group,
-        "slots": Lp + sizes.new_tokens}
+  # ---- rollout: the sampler exactly as the trainer builds it (prompt rows over 'data', params
+  # on the rollout mesh), its KV cache split as the sampler pins it.
+  rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
+  kv, cache = kv_cache_plan(model_cfg, rollout_mesh, sizes, graphdef, params)
   rollout_ma = {}
   if compile_rollout:
+    sample, sharded_params, prompts, on = rollout_inputs(model_cfg, rollout_mesh, sizes,
+                                                          graphdef, params)
     prefill_c, rollout_ma["prefill"] = _compile("prefill", sample.prefill, sharded_params,
-                                                *prompts)
+                                                *prompts, mesh=on)
     cache_sh, logits_sh, lens_sh = prefill_c.output_shardings
-    cache = with_shardings(cache, cache_sh)
-    first = lambda t: jax.tree.leaves(t)[0]  # unrolled models: one array per layer
-    kv["sharding"] = {"k": spec_str(first(cache_sh.k)), "v": spec_str(first(cache_sh.v))}
-    kv["sharded_as"] = "compiled prefill's output sharding (XLA's choice; the sampler sets none)"
+    planned = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, cache))
+    if not all(c.is_equivalent_to(p, len(x.shape)) for c, p, x in zip(
+        jax.tree.leaves(cache_sh), planned, jax.tree.leaves(cache))):
+      raise RuntimeError(f"compiled prefill placed the KV cache as {cache_sh}, not as planned")
+    kv["sharded_as"] += " (checked: the compiled prefill's output shardings)"
+    _, first_logits, prompt_lens = jax.eval_shape(
+        functools.partial(sample.prefill, mesh=on), sharded_params, *prompts)
     if compile_decode:
-      rows, scalar = P * sizes.group, (lambda dt: jax.ShapeDtypeStruct((), dt))
+      rows, scalar = sizes.prompts * sizes.group, (lambda dt: jax.ShapeDtypeStruct((), dt))
       _, rollout_ma["decode"] = _compile(
           "decode", sample.decode, sharded_params, cache,
           with_shardings(first_logits, logits_sh), with_shardings(prompt_lens, lens_sh),
           jax.random.key(0), jax.ShapeDtypeStruct((rows,), jnp.int32),
-          jax.ShapeDtypeStruct((rows,), jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
-  else:
-    kv["sharding"] = {"k": "replicated", "v": "replicated"}
-    kv["sharded_as"] = ("assumed replicated (not compiled): the sampler sets no sharding; "
-                        "--compile reads XLA's choice from the compiled prefill")
-  kv_bytes = per_device_bytes((cache.k, cache.v, cache.valid))
-  kv["shards"] = global_bytes((cache.k, cache.v)) // per_device_bytes((cache.k, cache.v))
-  if compile_rollout and kv["shards"] == 1 and mesh.size > 1:
-    kv["note"] = (f"the sampler runs replicated: every one of the {mesh.size} devices holds the "
-                  "whole cache and decodes every row")
-  b["kv_cache"] = kv_bytes
-  g["kv_cache"] = global_bytes((cache.k, cache.v, cache.valid))
+          jax.ShapeDtypeStruct((rows,), jnp.float32), scalar(jnp.int32), scalar(jnp.float32),
+          mesh=on)
+  if kv["shards"] == 1 and rollout_mesh.size > 1:
+    kv["note"] = (f"no rollout row or kv head is split: every one of the {rollout_mesh.size} "
+                  "devices holds the whole cache (rollout rows go over 'data' only, never "
+                  "'fsdp')")
+  b["kv_cache"] = kv_bytes = kv["per_device_bytes"]
+  g["kv_cache"] = kv["replicated_bytes"]
 
   step_info = {"compiled": compile_train, "logprob_impl": step_cfg.logprob_impl or default_impl(),
                "num_microbatches": step_cfg.num_microbatches}
@@ -319,6 +367,9 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
     rollout, rollout_src = max(peaks), f"compiled: max({', '.join(rollout_ma)})"
   else:
     rollout, rollout_src = b["params"] + kv_bytes, "eval_shape: params + KV cache"
+  if rollout_mesh is not mesh:
+    rollout_src += (" (train-mesh params bytes; the rollout mesh may be other devices: the lag "
+                    "totals add both as if colocated)")
   state_bytes = b["params"] + b["optimizer_state"] + b["ref_params"]
   totals = {"train": train, "rollout": rollout,
             "lag0": max(train + b["params"], state_bytes + rollout),
@@ -352,7 +403,9 @@ def summary_row(name: str, r: dict) -> dict:
           "mesh": "x".join(str(v) for v in r["mesh"].values()), "remat": r["remat"],
           "params_gib": gib["params"], "optimizer_gib": gib["optimizer_state"],
           "gradients_gib": gib["gradients"], "kv_cache_gib": gib["kv_cache"],
+          "kv_cache_replicated_gib": round(r["kv_cache"]["replicated_bytes"] / GIB, 3),
           "kv_cache_shards": r["kv_cache"]["shards"],
+          "rollout_mesh": "x".join(str(v) for v in r["kv_cache"]["rollout_mesh"].values()),
           "step_temp_gib": round(ma["temp_size_in_bytes"] / GIB, 3)
           if "temp_size_in_bytes" in ma else None,
           "train_gib": gib["total_train"], "rollout_gib": gib["total_rollout"],
@@ -360,10 +413,29 @@ def summary_row(name: str, r: dict) -> dict:
           "compiled": r["train_step"]["compiled"]}
 
 
+def recipe_defaults(cfg, devices: int) -> dict:
+  """The flags a run config sets: rollout sizes, micro-batches, dtypes, remat and the train mesh
+  (a -1 axis takes the devices the others leave)."""
+  r, m = cfg.rollout, cfg.mesh
+  axes = [m.data, m.fsdp, m.tensor]
+  if -1 in axes:
+    axes[axes.index(-1)] = devices // math.prod(a for a in axes if a != -1)
+  return {"prompts": r.num_prompts, "group": r.group_size, "prompt_len": r.max_prompt_len,
+          "new_tokens": r.max_new_tokens, "microbatches": cfg.train.num_microbatches,
+          "param_dtype": cfg.model.param_dtype, "dtype": cfg.model.dtype,
+          "remat": cfg.model.remat, "mesh": ",".join(map(str, axes))}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--recipe", default=None,
+                  help="a run config file (configs/*.py): its rollout sizes, micro-batches, "
+                       "dtypes, remat, mesh and train step are the defaults of those flags")
   ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {', '.join(QWEN)}")
   ap.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor (product <= devices)")
+  ap.add_argument("--rollout-mesh", default=None,
+                  help="data,fsdp,tensor of the rollout mesh the KV cache is sized on "
+                       "(default: --mesh, colocated)")
   ap.add_argument("--devices", type=int, default=None,
                   help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
   ap.add_argument("--param-dtype", default="bfloat16", help="float32 | bfloat16")
@@ -384,10 +456,16 @@ def main():
                   help="compile the train step and the sampler for memory_analysis(): all "
                        "models, or a comma list (e.g. 0.5b,1.5b); eval_shape only otherwise")
   ap.add_argument("--no-rollout-compile", action="store_true",
-                  help="with --compile, compile only the train step (KV cache then assumed "
-                       "replicated)")
+                  help="with --compile, compile only the train step (the KV cache is then "
+                       "sized from the sharding the sampler pins, unchecked)")
   ap.add_argument("--quick", action="store_true", help="smoke test: a tiny model, compiled")
   ap.add_argument("--out", default=None, help="also write the whole report to this JSON file")
+  args, _ = ap.parse_known_args()
+  recipe = None
+  if args.recipe:
+    from jaxrl.recipe import load_recipe
+    recipe = load_recipe(args.recipe)
+    ap.set_defaults(**recipe_defaults(recipe, jax.device_count()))
   args = ap.parse_args()
   t_start = time.perf_counter()
 
@@ -398,7 +476,14 @@ def main():
     ap.error(f"--mesh {args.mesh} needs {math.prod(mesh_shape)} devices, have "
              f"{jax.device_count()} (--devices N simulates N CPU devices)")
   mesh = make_mesh(*mesh_shape)
-  remat = args.remat or get_config().model.remat
+  rollout_mesh = mesh
+  if args.rollout_mesh:
+    rollout_shape = tuple(int(v) for v in args.rollout_mesh.split(","))
+    if len(rollout_shape) != 3 or math.prod(rollout_shape) > jax.device_count():
+      ap.error(f"--rollout-mesh {args.rollout_mesh}: data,fsdp,tensor over at most "
+               f"{jax.device_count()} devices")
+    rollout_mesh = make_mesh(*rollout_shape)
+  remat = args.remat or (recipe or get_config()).model.remat
   seq = args.seq or args.prompt_len + args.new_tokens
   train_lp = min(args.prompt_len, seq - 1)
   sizes = Sizes(rows=args.batch or args.prompts * args.group, train_prompt_len=train_lp,
@@ -433,7 +518,9 @@ def main():
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                   "jax_backend": jax.default_backend(), "devices": jax.device_count()},
       "versions": {"jax": jax.__version__, "python": platform.python_version()},
+      "recipe": args.recipe,
       "mesh": dict(mesh.shape),
+      "rollout_mesh": dict(rollout_mesh.shape),
       "sizes": dataclasses.asdict(sizes),
       "models": {},
   }
@@ -443,7 +530,8 @@ def main():
     how = "compile" if name in to_compile else "eval_shape only"
     log(f"[{name}] planning on mesh {args.mesh} ({how})")
     r = plan(mc, mesh, sizes, compile_train=name in to_compile,
-             compile_rollout=name in to_compile and not args.no_rollout_compile)
+             compile_rollout=name in to_compile and not args.no_rollout_compile,
+             rollout_mesh=rollout_mesh, cfg=recipe)
     if name in QWEN:
       r["name"], r["published_params"] = QWEN[name][0], QWEN[name][2]
       if r["params"] != QWEN[name][2]:

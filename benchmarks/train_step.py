@@ -62,7 +62,9 @@ def random_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
   rng = np.random.default_rng(seed)
   B, Lp, N = case.rows, case.prompt_len, case.new_tokens
   return TrainBatch(
-      prompt_tokens=rng.integers(2, vocab, (B, Lp)).astype(np.int32),
+      # One prompt per group of GROUP rows, as GRPO batches are laid out.
+      prompt_tokens=np.repeat(rng.integers(2, vocab, (-(-B // GROUP), Lp)), GROUP, 0)[:B]
+      .astype(np.int32),
       prompt_valid=np.ones((B, Lp), bool),
       tokens=rng.integers(2, vocab, (B, N)).astype(np.int32),
       mask=np.ones((B, N), bool),
@@ -74,9 +76,9 @@ def random_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
 
 
 def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | None,
-             microbatches: int = 1) -> dict:
+             microbatches: int = 1, shared: int = 0) -> dict:
   B, Lp, N = case.rows, case.prompt_len, case.new_tokens
-  log(f"[{case.name}] B={B} Lp={Lp} N={N} micro-batches={microbatches}")
+  log(f"[{case.name}] B={B} Lp={Lp} N={N} micro-batches={microbatches} shared prompts={shared}")
   mesh = make_mesh(1, 1, 1)
   graphdef, params = init_model(model_cfg, seed=0)
   t = cfg.train
@@ -84,7 +86,7 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | No
   optimizer = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, **extra)
   step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=microbatches,
-                                 logprob_impl=impl)
+                                 logprob_impl=impl, shared_prompts=shared)
   step, init_state = build_train_step(graphdef, optimizer, step_cfg, mesh, params)
   state = init_state(params)
   batch = to_rows(random_batch(case, model_cfg.vocab_size), mesh)
@@ -95,8 +97,8 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | No
   jax.block_until_ready((state, metrics))
   first = time.perf_counter() - t0
   log(f"[{case.name}] first step (compile + run) {first:.2f}s, loss {float(metrics['loss']):.4f}")
-  if int(metrics["skipped_nonfinite"]):
-    raise RuntimeError("the step skipped a non-finite gradient: the timing would be wrong")
+  if int(metrics["skipped_nonfinite"]) or int(metrics["prompt_layout_errors"]):
+    raise RuntimeError("the step skipped its update: the timing would be wrong")
 
   times = []
   for i in range(steps):
@@ -111,6 +113,7 @@ def run_case(case: Case, model_cfg: ModelConfig, cfg, steps: int, impl: str | No
   return {
       "rows": B,
       "microbatches": microbatches,
+      "shared_prompts": shared,
       "xla_temp_bytes": None if temp is None else int(temp.temp_size_in_bytes),
       "prompt_len": Lp,
       "new_tokens": N,
@@ -137,7 +140,14 @@ def main():
                   help="fused log-prob kernel: auto (the trainer's choice), reference, xla")
   ap.add_argument("--microbatches", default="1",
                   help="comma list of train.num_microbatches to time, e.g. 1,8 (each divides B)")
+  ap.add_argument("--shared-prompts", default="8",
+                  help="comma list of StepConfig.shared_prompts to time (0 = each row runs its "
+                       f"own prompt; {GROUP} = the group's prompt runs once, as the trainer)")
   args = ap.parse_args()
+  try:
+    shared_list = [int(g) for g in args.shared_prompts.split(",") if g.strip()]
+  except ValueError:
+    ap.error(f"--shared-prompts must be integers; got {args.shared_prompts!r}")
   try:
     counts = [int(m) for m in args.microbatches.split(",") if m.strip()]
   except ValueError:
@@ -180,8 +190,10 @@ def main():
     for m in counts:
       if c.rows % m:
         ap.error(f"--microbatches {m} does not divide the {c.name} case's {c.rows} rows")
-      key = c.name if counts == [1] else f"{c.name}, micro-batches {m}"
-      report["cases"][key] = run_case(c, model_cfg, cfg, args.steps, impl, m)
+      for g in shared_list:
+        key = c.name + ("" if counts == [1] else f", micro-batches {m}") + \
+            ("" if len(shared_list) == 1 else f", shared prompts {g}")
+        report["cases"][key] = run_case(c, model_cfg, cfg, args.steps, impl, m, g)
   report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
   print(json.dumps(report, indent=2))
 

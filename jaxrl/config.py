@@ -22,9 +22,9 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl import preflight
+from jaxrl import preflight, sinks
 from jaxrl.config_schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
-                                 check_schema, describe, flatten, type_ok)
+                                 check_schema, describe, flatten, parse_profile_steps, type_ok)
 from jaxrl.configs import default as default_config
 from jaxrl.envs import registry  # registers the built-in tasks (no jax)
 from jaxrl.names import CORRECTIONS, WEIGHTING
@@ -161,6 +161,9 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
   if policy == "cispo" and on("loss.dual_clip"):
     problems.append(f"{p}loss.dual_clip: cispo does not take a dual clip (it clips a detached "
                     f"weight); set it to 0 or choose another {p}loss.policy")
+  if policy == "sapo" and on("loss.dual_clip"):
+    problems.append(f"{p}loss.dual_clip: sapo does not take a dual clip (its soft gate replaces "
+                    f"every clip); set it to 0 or choose another {p}loss.policy")
   if policy == "gspo":
     if "seq_mask_tis" in names:
       problems.append(f"{p}loss.correction: seq_mask_tis cannot be combined with the sequence-"
@@ -211,7 +214,8 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
     several = f"{num_processes} processes joined by {p}distributed.auto"
   else:
     return
-  # A lag is fine: several processes produce rollouts inline, in one order (`InlineWorker`).
+  # A lag is fine: each process makes its own groups on its rollout thread over its local devices
+  # (or inline, `InlineWorker`, where the batch cannot be split by process).
   if good.get("rollout.engine") == "continuous":
     problems.append(
         f"{p}rollout.engine: must be 'static' with {several}: the continuous engine's host "
@@ -219,7 +223,7 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
 
 
 def resolve_microbatches(num_microbatches: int, rows: int, seq_len: int, shards: int,
-                         token_budget: int) -> int:
+                         token_budget: int, group: int = 1, prompt_len: int = 0) -> int:
   """`train.num_microbatches` as the train step runs it.
 
   `>= 1` is itself. `0` (auto) is the fewest micro-batches `m` that divide the rows each batch
@@ -230,16 +234,25 @@ def resolve_microbatches(num_microbatches: int, rows: int, seq_len: int, shards:
   in afresh on every call, a small one stays in the heap and in cache (the default's 1,024 rows
   of 10 tokens run ~2x faster as 8 micro-batches; benchmarks/README.md).
 
+  `group` > 1: the step runs each group of `group` rows' prompt (`prompt_len` of the `seq_len`
+  tokens) once (`train.share_prompts`), so micro-batches hold whole groups and a group counts
+  `prompt_len + group * (seq_len - prompt_len)` tokens.
+
   >>> resolve_microbatches(0, rows=1024, seq_len=10, shards=1, token_budget=2048)
   8
   >>> resolve_microbatches(0, rows=16, seq_len=10, shards=1, token_budget=2048)
   1
+  >>> resolve_microbatches(0, rows=1024, seq_len=10, shards=1, token_budget=2048, group=8,
+  ...                      prompt_len=6)  # 128 groups of 6 + 8 x 4 = 38 tokens: 4 x 32 groups
+  4
   """
   if num_microbatches > 0:
     return num_microbatches
-  per_shard = max(rows // max(shards, 1), 1)
+  group = max(group, 1)
+  per_shard = max(rows // max(shards, 1) // group, 1)
+  unit = seq_len if group == 1 else prompt_len + group * (seq_len - prompt_len)
   for m in range(1, per_shard + 1):
-    if per_shard % m == 0 and (per_shard // m) * seq_len <= token_budget:
+    if per_shard % m == 0 and (per_shard // m) * unit <= token_budget:
       return m
   return per_shard
 
@@ -249,7 +262,14 @@ def run_microbatches(cfg, shards: int) -> int:
   r, t = cfg.rollout, cfg.train
   return resolve_microbatches(t.num_microbatches, r.num_prompts * r.group_size,
                               r.max_prompt_len + (r.max_total_tokens or r.max_new_tokens),
-                              shards, t.microbatch_tokens)
+                              shards, t.microbatch_tokens, group=shared_prompts(cfg),
+                              prompt_len=r.max_prompt_len)
+
+
+def shared_prompts(cfg) -> int:
+  """The train step's prompt-sharing group (`train.share_prompts`): G, or 0 when off or G = 1."""
+  g = cfg.rollout.group_size
+  return g if cfg.train.share_prompts and g > 1 else 0
 
 
 def _check_task(good: dict[str, Any], problems: list[str]) -> None:
@@ -349,6 +369,9 @@ def validate(cfg: ConfigDict, num_devices: int,
       lambda v: all(n in known for n in v.split("+")) and len(set(v.split("+"))) ==
       len(v.split("+")),
       f"one of {known}, or several distinct ones joined by '+' (mixed per row)")))
+  backends = sinks.backend_names()  # a recipe file may register more (jaxrl.sinks)
+  rules.append((sinks.KEY, (lambda v: all(n in backends for n in sinks.parse_backends(v)),
+                            f"a comma list of {backends}")))
   for key, (pred, requirement) in rules:
     if key in good and not pred(good[key]):
       problems.append(f"{PREFIX}{key}: must be {requirement}, got {good[key]!r}")
@@ -418,11 +441,18 @@ def validate(cfg: ConfigDict, num_devices: int,
         f"{PREFIX}rollout.max_total_tokens: must be 0 or >= {PREFIX}rollout.max_new_tokens = "
         f"{good['rollout.max_new_tokens']}, got {good['rollout.max_total_tokens']}")
 
+  if have("profile.steps", "train.steps") and good["profile.steps"] and \
+      parse_profile_steps(good["profile.steps"])[0] > good["train.steps"]:
+    problems.append(
+        f"{PREFIX}profile.steps: {good['profile.steps']!r} starts after the last RL step "
+        f"({PREFIX}train.steps = {good['train.steps']}), so nothing would be traced")
+
   _check_loss(good, problems)
   _check_distributed(good, problems, num_processes)
   preflight.check_hf(good, flatten(ref), problems)
   _check_task(good, problems)
   preflight.check_run_dir(good, problems)
+  preflight.check_logging(good, problems)
   preflight.check_resume(good, problems)
   processes = num_processes or good.get("distributed.num_processes") or 1
   preflight.check_memory(good, problems, processes, device_memory,

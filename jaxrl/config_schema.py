@@ -63,6 +63,30 @@ def _floats_ok(text: str) -> bool:
   return all(x >= 0 and x == x and x != float("inf") for x in w) and sum(w) > 0
 
 
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+  """`profile.steps` as `(first, last)` RL steps, None for "" (off); ValueError when malformed
+  (it must be "A:B" with integers 1 <= A <= B)."""
+  if text == "":
+    return None
+  first, sep, last = text.partition(":")
+  try:
+    a, b = int(first), int(last)
+  except ValueError:
+    a = b = 0
+  if not sep or a < 1 or b < a:
+    raise ValueError(f"profile.steps must be '' (off) or 'A:B' with whole numbers 1 <= A <= B "
+                     f"(RL steps A to B), got {text!r}")
+  return a, b
+
+
+def _profile_steps_ok(text: str) -> bool:
+  try:
+    parse_profile_steps(text)
+  except ValueError:
+    return False
+  return True
+
+
 SEED_MAX = 2**32 - 1
 
 # Log-probs are float32 `log_softmax(logits / T)`: once |logits / T| passes ~2**31, float32's
@@ -135,8 +159,10 @@ RULES: list[tuple[str, Rule]] = [
                 "'auto', 'none' or an existing directory (a run directory or its "
                 "checkpoints/)")),
     ("data.on_bad_row", _one_of({"skip", "raise"})),
+    ("data.max_skipped_frac", _in(0, 1)),
     ("checkpoint.every", _ge(0)),
     ("checkpoint.keep", _ge(1)),
+    ("logging.wandb.mode", _one_of({"", "online", "offline", "disabled"})),
     ("train.max_skipped_updates", _ge(0)),
     ("dynamic_sampling.tol", _ge(0)),
     ("dynamic_sampling.max_gen_batches", _ge(1)),
@@ -155,11 +181,14 @@ RULES: list[tuple[str, Rule]] = [
     ("advantage.estimator", _one_of(set(ADVANTAGE_ESTIMATORS))),
     ("advantage.eps", _ge(0)),
     ("advantage.clip", _ge(0)),
+    ("advantage.std_ddof", _one_of({0, 1})),
     ("loss.policy", _one_of(set(POLICY_LOSSES))),
     ("loss.eps_low", _in(0, 1)),
     ("loss.eps_high", _ge(0)),
     ("loss.ratio_base", _one_of({"auto", "trainer", "rollout"})),
     ("loss.dual_clip", (lambda v: v == 0 or v > 1, "0 (off) or > 1")),
+    ("loss.sapo_tau_pos", _gt(0)),
+    ("loss.sapo_tau_neg", _gt(0)),
     ("loss.reduction", _one_of(set(REDUCTIONS))),
     ("loss.norm_len", _ge(0)),
     ("loss.token_tis_cap", _gt(0)),
@@ -184,6 +213,9 @@ RULES: list[tuple[str, Rule]] = [
                          f"0 (greedy) or >= {MIN_TEMPERATURE} ({_TINY_T})")),
     ("val.max_wait_s", _gt(0)),
     ("env.timeout_s", _gt(0)),
+    ("profile.steps", (_profile_steps_ok, "'' (off) or 'A:B' with whole numbers 1 <= A <= B "
+                       "(RL steps A to B)")),
+    ("profile.peak_flops", _ge(0)),
     ("rollout.max_turns", _ge(1)),
     ("rollout.max_total_tokens", _ge(0)),
     *((f"mesh.{a}", (lambda v: v >= 1 or v == -1, ">= 1 or -1")) for a in MESH_AXES),

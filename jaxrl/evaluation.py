@@ -6,7 +6,8 @@ environments, one batched call per environment per turn): `val.samples_per_promp
 prompt at `val.temperature` (0 = greedy). A row is solved when its episode reward is >= 1 (every
 built-in environment gives 1 for a solved task). Metrics: `val/accuracy` (solved rows),
 `val/pass@k` (prompts with a solved sample), `val/reward`, `val/avg_length` (generated tokens per
-row), turn and outcome statistics, `val/env_calls` and, with mixed tasks, `val/<task>/accuracy`.
+row), turn and outcome statistics, `val/env_calls` and, with mixed tasks, `val/<task>/accuracy`,
+`val/<task>/pass@k` and `val/<task>/avg_length`.
 Rows go through partition `val` of the data plane and are freed after the pass. The last chunk of
 prompts is padded by repetition to keep one shape; padding rows count for nothing.
 
@@ -79,13 +80,16 @@ def evaluate(parts, params, split: str, pass_id: str) -> dict:
     for key in ("terminated", "truncated", "failed"):
       out[f"val/{key}_frac"] = float(np.concatenate([getattr(e, key)[m] for e, m in eps]).mean())
     out["val/env_calls"] = float(sum(e.env_calls for e, _ in eps))
-    if len(parts.envs) > 1:  # mixed tasks: accuracy per task too
+    if len(parts.envs) > 1:  # mixed tasks: accuracy, pass@k and length per task too
       env_of = np.array([t.env for e, m in eps for t, keep in zip(e.tasks, m) if keep])
       flat = solved.reshape(-1)
       for name in parts.envs:
         rows = env_of == name
         if rows.any():
           out[f"val/{name}/accuracy"] = float(flat[rows].mean())
+          # The k samples of a prompt are consecutive rows of one task.
+          out[f"val/{name}/pass@{k}"] = float(solved[rows.reshape(-1, k)[:, 0]].any(1).mean())
+          out[f"val/{name}/avg_length"] = float(lengths[real][rows].mean())
     return out
   finally:
     for m in metas:

@@ -11,15 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # jaxrl.losses.advantages: group-relative advantage estimators.
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "grpo_batch_std", "dr_grpo", "rloo")
 # jaxrl.losses.policy: per-token policy-gradient losses.
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "reinforce")
 # jaxrl.losses.reductions: how per-token values become one loss.
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
               "seq_mean_token_sum_norm")
 # jaxrl.losses.kl: per-token KL estimators, and how KL terms are reduced (objective).
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-KL_REDUCTIONS = ("token_mean", "seq_mean")
+# "policy": the policy term's own reduction (`loss.reduction`), e.g. Dr. GRPO's constant normaliser.
+KL_REDUCTIONS = ("token_mean", "seq_mean", "policy")
 # jaxrl.losses.corrections: off-policy corrections (joined by "+" in configs); the weighting ones
 # set an importance weight, and two of those would double count.
 CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",

@@ -21,7 +21,7 @@ from ml_collections import ConfigDict
 from jaxrl import config as config_lib
 from jaxrl import parallel
 from jaxrl.data import left_pad
-from jaxrl.data.sources import CheckedSource, MixedSource
+from jaxrl.data.sources import CheckedSource, MixedSource, RowProblem, SkipReport
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import make_env, make_source
 from jaxrl.models import ModelConfig, abstract_model, init_model
@@ -75,10 +75,12 @@ class Parts:
   budget: Budget
   val_loop: MultiTurn  # evaluation's multi-turn loop (never partial)
 
-  def train_loop(self, newest: NewestParams | None = None) -> MultiTurn:
+  def train_loop(self, newest: NewestParams | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> MultiTurn:
     """The training rollouts' multi-turn loop; `newest` is the newest-params source of partial
-    rollouts (the lag pipeline's)."""
-    s = build_samplers(self.cfg, self.graphdef, self.tok, self.rollout_mesh, newest)
+    rollouts (the lag pipeline's). `mesh`: the mesh it generates on, default `rollout_mesh`
+    (several processes: each process's own devices, `ProcessShare.mesh`)."""
+    s = build_samplers(self.cfg, self.graphdef, self.tok, mesh or self.rollout_mesh, newest)
     return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,
                      s.next_turn, parallel.distributed.fetch, self.cfg.env.timeout_s)
 
@@ -93,8 +95,8 @@ class Parts:
       return params
     return parallel.reshard(params, self.rollout_shardings)
 
-  def row_problem(self, task) -> tuple[str, str] | None:
-    """What makes a task row unusable, as (reason, detail), or None."""
+  def row_problem(self, task) -> RowProblem | None:
+    """What makes a task row unusable, as (reason, detail, size), or None."""
     return row_problem(task, self.envs, self.tok, self.cfg.rollout.max_prompt_len)
 
   def sft_batch(self, problems) -> TrainBatch:
@@ -114,18 +116,34 @@ class Parts:
                       np.ones(b, np.float32))
 
 
-def row_problem(task, envs, tok, max_prompt_len: int) -> tuple[str, str] | None:
+def row_problem(task, envs, tok, max_prompt_len: int) -> RowProblem | None:
+  """What makes `task` unusable (a too-long prompt's size is its tokens), or None."""
   if task.env not in envs:
-    return "unknown_task", f"task {task.env!r} is not one of {sorted(envs)}"
+    return RowProblem("unknown_task", f"task {task.env!r} is not one of {sorted(envs)}")
   if not task.prompt.strip():
-    return "empty_prompt", "the prompt is empty"
+    return RowProblem("empty_prompt", "the prompt is empty")
   try:
     n = len(tok.encode_prompt(task.prompt))
   except ValueError as e:
-    return "undecodable", str(e)
+    return RowProblem("undecodable", str(e))
   if n > max_prompt_len:
-    return "too_long", f"{n} prompt tokens, over rollout.max_prompt_len={max_prompt_len}"
+    return RowProblem("too_long", f"{n} prompt tokens, over rollout.max_prompt_len="
+                      f"{max_prompt_len}", n)
   return None
+
+
+def skip_hint(report: SkipReport, max_prompt_len: int) -> str:
+  """How to fix the skips of `report`: the longest prompt and the key it is over, else the first
+  bad row of each other reason."""
+  out = []
+  for reason, (size, uid, prompt) in sorted(report.worst.items()):
+    if reason == "too_long":
+      out.append(f"the longest prompt has {size} tokens (row {uid!r}: {prompt!r}), over "
+                 f"rollout.max_prompt_len={max_prompt_len} (--config.rollout.max_prompt_len="
+                 f"{size} fits every prompt)")
+    else:
+      out.append(f"{reason}: e.g. row {uid!r}")
+  return "; ".join(out)
 
 
 def _model_vocab(cfg, problems: list[str]) -> tuple[int, str]:
@@ -150,18 +168,28 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
 
   `envs` (name -> environment) replace the registered environments of those names; `source`
   replaces the config's task source. Problems only the data or the model directory reveal are
-  raised together as one `ConfigError`, before anything is compiled.
+  raised together as one `ConfigError`, before anything is compiled; a split that would skip
+  more than `data.max_skipped_frac` of its rows raises `TooManySkipped` before them.
   """
   names = cfg.task.name.split("+")
   source = task_source(cfg) if source is None else source
   tok = make_tokenizer(cfg, source)
   envs = {name: (envs or {}).get(name) or make_env(name) for name in names}
   # Rows are checked when drawn: skipped and counted (data/skipped/<reason>) or raised with the
-  # row named, by data.on_bad_row; the validation split is checked here, before compiling.
-  checked = CheckedSource(source, lambda t: row_problem(t, envs, tok, cfg.rollout.max_prompt_len),
-                          cfg.data.on_bad_row)
+  # row named, by data.on_bad_row; the splits are checked here, before compiling, and a run that
+  # would skip more than data.max_skipped_frac of either stops now (a source that cannot list its
+  # train rows is judged on its first draws instead).
+  max_len = cfg.rollout.max_prompt_len
+  checked = CheckedSource(source, lambda t: row_problem(t, envs, tok, max_len),
+                          cfg.data.on_bad_row, max_skipped_frac=cfg.data.max_skipped_frac,
+                          hint=lambda report: skip_hint(report, max_len))
+  val_rows = checked.split("val")  # checked once, its report kept in checked.scanned
+  for report in (checked.scan("train"), checked.scanned.get("val")):
+    error = None if report is None else checked.too_many(report)
+    if error is not None:
+      raise error
   problems = []
-  if not checked.split("val"):
+  if not val_rows:
     problems.append(f"config.task.name: task {cfg.task.name!r} has no usable validation rows "
                     f"(skipped: {checked.skipped})")
   vocab, vocab_key = _model_vocab(cfg, problems)

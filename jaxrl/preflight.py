@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from jaxrl.config_schema import PREFIX
+from jaxrl import sinks
 from jaxrl.data import hf_files
 
 RUN_ROOT = "runs"  # where a run without config.run_dir goes: ./runs/<name>-<timestamp>
@@ -98,6 +99,13 @@ def check_run_dir(good: dict[str, Any], problems: list[str]) -> None:
     problems.append(f"{key}{path} cannot be created: {parent} is a file, not a directory")
   elif not os.access(parent, os.W_OK | os.X_OK):
     problems.append(f"{key}{path} cannot be created: {parent} is not writable")
+
+
+def check_logging(good: dict[str, Any], problems: list[str]) -> None:
+  """Each metrics backend of `logging.backends` has its package installed (the message names the
+  pip extra), so a run never starts, creates its directory and then fails at its first row."""
+  if sinks.KEY in good:
+    problems.extend(sinks.missing_packages(good[sinks.KEY]))
 
 
 def _step_dirs(path: str) -> list[str]:

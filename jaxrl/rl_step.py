@@ -33,19 +33,22 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
       ratio_base=("rollout" if cfg.rollout.lag > 0 else "trainer") if lo.ratio_base == "auto"
       else lo.ratio_base,
       eps_low=lo.eps_low, eps_high=lo.eps_high,
-      dual_clip=lo.dual_clip or None, correction=losses.parse_correction(lo.correction),
+      dual_clip=lo.dual_clip or None, sapo_tau_pos=lo.sapo_tau_pos, sapo_tau_neg=lo.sapo_tau_neg,
+      correction=losses.parse_correction(lo.correction),
       correction_params=losses.CorrectionParams(
           token_tis_cap=lo.token_tis_cap, seq_tis_cap=lo.seq_tis_cap, **bands),
       reduction=lo.reduction, norm_len=lo.norm_len or None,
       rollout_kl_coef=cfg.rollout_kl.coef, rollout_kl_estimator=cfg.rollout_kl.estimator,
       rollout_kl_reduction=cfg.rollout_kl.reduction,
       ref_kl_coef=cfg.ref_kl.coef, ref_kl_estimator=cfg.ref_kl.estimator,
-      ref_kl_reduction=cfg.ref_kl.reduction, entropy_coef=lo.entropy_coef,
+      ref_kl_reduction=cfg.ref_kl.reduction,
+      ref_kl_importance_weighted=cfg.ref_kl.importance_weighted, entropy_coef=lo.entropy_coef,
       seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
   a = cfg.advantage
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
-                    adv_clip=a.clip or None,
+                    adv_ddof=a.std_ddof, adv_clip=a.clip or None,
                     num_microbatches=config_lib.run_microbatches(cfg, shards),
+                    shared_prompts=config_lib.shared_prompts(cfg),
                     logprob_impl=logprob_impl(cfg))
 
 

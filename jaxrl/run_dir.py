@@ -21,9 +21,10 @@ from jaxrl import checkpoint
 from jaxrl.errors import UserError
 
 LOCK_FILE = ".jaxrl.lock"
-# What a run writes into its directory (jaxrl.trainer.run, jaxrl.export.METADATA_DIR aside).
+# What a run writes into its directory (jaxrl.trainer.run, jaxrl.export.METADATA_DIR aside; the
+# metrics sinks of jaxrl.sinks).
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
-             "hf_base")
+             "hf_base", "tensorboard", "wandb")
 
 
 class RunDirError(UserError):

@@ -80,6 +80,11 @@ def user_message(e: BaseException) -> str | None:
     return f"jaxrl: invalid config\n{e}"
   if isinstance(e, UserError):
     return f"jaxrl: {e}"
+  # A user error on the rollout thread (a bad row, too many rows skipped) reaches the trainer
+  # as the pipeline's WorkerFailed, caused by it (the module is loaded if one can have been).
+  gate = sys.modules.get("jaxrl.pipeline.gate")
+  if gate is not None and isinstance(e, gate.WorkerFailed) and isinstance(e.__cause__, UserError):
+    return user_message(e.__cause__)
   if isinstance(e, _USER_OS_ERRORS) or (isinstance(e, OSError) and e.errno in _USER_ERRNOS):
     return f"jaxrl: {_os_error_text(e)}"
   if isinstance(e, MemoryError):

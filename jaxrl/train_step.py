@@ -40,7 +40,7 @@ from jaxrl import parallel
 from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
-from jaxrl.models.transformer import left_positions
+from jaxrl.models.transformer import KVCache, left_positions
 from jaxrl.names import LR_SCHEDULES
 from jaxrl.types import TrainBatch, TrainState
 
@@ -53,10 +53,16 @@ class StepConfig:
   objective: ObjectiveConfig = ObjectiveConfig()
   advantage: str = "grpo"  # jaxrl.losses.ADVANTAGE_ESTIMATORS
   adv_eps: float = 1e-4
+  adv_ddof: int = 0  # ddof of the std of grpo / grpo_batch_std (1 = sample std, as TRL)
   adv_clip: float | None = None  # clamp advantages to [-adv_clip, adv_clip]
   num_microbatches: int = 1
   logprob_impl: str | None = None  # jaxrl.kernels.fused_logprob impl; None = backend default
   logprob_chunk: int | None = None  # vocabulary chunk of the fused kernel; None = its default
+  # Rows come in groups of this many consecutive rows with one prompt (GRPO's G samples per
+  # prompt): the forward pass then runs each prompt once and the G completions attend to its keys
+  # and values (`completion_hidden`). 0 or 1 = every row runs its own prompt. A batch whose
+  # groups are not laid out so is detected in the step and not applied (`prompt_layout_errors`).
+  shared_prompts: int = 0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -114,22 +120,53 @@ def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
                      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
-def completion_hidden(model, batch: TrainBatch) -> jax.Array:
-  """Final hidden states [B, N, D] that predict each completion token."""
+def completion_hidden(model, batch: TrainBatch, group: int = 0) -> jax.Array:
+  """Final hidden states [B, N, D] that predict each completion token.
+
+  `group` > 1: every `group` consecutive rows share one prompt (the first row's is used). The
+  prompts run once ([B / group] rows) into a key/value cache, which is repeated to every row of
+  the group; the completions then run over it. Same function as the per-row pass (each
+  completion token attends to its own prompt and the completion tokens before it), with
+  (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over the group.
+  """
   lp = batch.prompt_tokens.shape[1]
-  seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
   seen = batch.mask if batch.completion_valid is None else batch.completion_valid
-  valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
-  hidden, _ = model(seq, left_positions(valid), valid)
-  # Position lp - 1 + j holds the state that predicts completion token j.
-  return hidden[:, lp - 1 : -1]
+  if group <= 1:
+    seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
+    valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
+    hidden, _ = model(seq, left_positions(valid), valid)
+    # Position lp - 1 + j holds the state that predicts completion token j.
+    return hidden[:, lp - 1 : -1]
+  b, n = batch.tokens.shape
+  first = lambda x: x.reshape(b // group, group, *x.shape[1:])[:, 0]
+  prompts, prompt_valid = first(batch.prompt_tokens), first(batch.prompt_valid)
+  cache = KVCache.zeros(model.cfg, b // group, lp + n)
+  prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache)
+  stacked = model.cfg.scan_layers  # [L, rows, ...] caches; unrolled: a tuple of [rows, ...]
+  rep = lambda x, axis=0: jnp.repeat(x, group, axis=axis)
+  per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
+  cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
+  before = rep(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32))[:, None]
+  positions = jnp.maximum(before + jnp.cumsum(seen.astype(jnp.int32), axis=-1) - 1, 0)
+  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp)
+  # The prompt's last state predicts completion token 0; completion state j - 1 predicts j.
+  return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
+
+
+def prompt_layout_ok(batch: TrainBatch, group: int) -> jax.Array:
+  """True when every `group` consecutive rows have one prompt and one group id (the layout
+  `completion_hidden` relies on)."""
+  def same(x):
+    g = x.reshape(x.shape[0] // group, group, -1)
+    return jnp.all(g == g[:, :1])
+  return same(batch.prompt_tokens) & same(batch.prompt_valid) & same(batch.group_id)
 
 
 def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
                         with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None]:
   """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits)."""
   model = nnx.merge(graphdef, params)
-  hidden = completion_hidden(model, batch)
+  hidden = completion_hidden(model, batch, cfg.shared_prompts)
   b, n, d = hidden.shape
   out = fused_logprob(
       hidden.reshape(b * n, d), model.unembedding().astype(hidden.dtype),
@@ -159,10 +196,19 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
                           lp_gen=batch.rollout_logprobs, lp_ref=lp_ref, entropy=entropy)
 
 
-def _split(x: jax.Array, m: int) -> jax.Array:
-  # Micro-batch k takes rows k, k+m, k+2m, ...: with rows sharded in contiguous blocks, every
-  # device contributes equally to every micro-batch.
-  return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+def _split(x: jax.Array, m: int, group: int = 1) -> jax.Array:
+  # Micro-batch k takes rows (groups of `group` rows) k, k+m, k+2m, ...: with rows sharded in
+  # contiguous blocks, every device contributes equally to every micro-batch.
+  rest = x.shape[1:]
+  x = x.reshape(x.shape[0] // (m * group), m, group, *rest).swapaxes(0, 1)
+  return x.reshape(m, -1, *rest)
+
+
+def shared_group(cfg: StepConfig, rows: int) -> int:
+  """The prompt-sharing group size the step uses for `rows` rows (0: none): whole groups in
+  every micro-batch."""
+  g = cfg.shared_prompts
+  return g if cfg.loss == "rl" and g > 1 and rows % (g * cfg.num_microbatches) == 0 else 0
 
 
 def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
@@ -186,16 +232,18 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg
 def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
                 row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
   m = cfg.num_microbatches
+  group = shared_group(cfg, batch.tokens.shape[0])
+  cfg = dataclasses.replace(cfg, shared_prompts=group)
   clip = cfg.adv_clip
   has_tokens = jnp.any(batch.mask, axis=-1)
   # A row with a non-finite reward is excluded like a failed sample: advantage 0, out of its
   # group's statistics, so it can neither poison the gradient nor silence its group.
   valid = has_tokens & jnp.isfinite(batch.rewards)
   advantages = losses.compute_advantages(
-      cfg.advantage, batch.rewards, batch.group_id, valid, eps=cfg.adv_eps,
+      cfg.advantage, batch.rewards, batch.group_id, valid, eps=cfg.adv_eps, ddof=cfg.adv_ddof,
       clip_low=None if clip is None else -clip, clip_high=clip)
   counts = global_counts(batch, cfg)
-  micro = jax.tree.map(lambda x: _split(x, m), (batch, advantages))
+  micro = jax.tree.map(lambda x: _split(x, m, max(group, 1)), (batch, advantages))
   ref_params = state.ref_params if cfg.needs_reference() else None
   grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
 
@@ -220,18 +268,21 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
   # Each micro-batch already divided by the global counts: the sum is the batch gradient.
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(grad_norm)
+  layout_ok = prompt_layout_ok(batch, group) if group else jnp.bool_(True)
+  apply = finite & layout_ok
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   new_state = state._replace(params=keep(new_params, state.params),
                              opt_state=keep(new_opt, state.opt_state),
-                             step=state.step + finite.astype(jnp.int32))
+                             step=state.step + apply.astype(jnp.int32))
   adv_sum, adv_n = losses.stats.masked_mean(jnp.abs(advantages), valid)
   metrics = {
       **losses.stats.finalize(stats),
       "grad_norm": grad_norm,
       "tokens": jnp.sum(batch.mask).astype(jnp.float32),
       "skipped_nonfinite": (~finite).astype(jnp.int32),
+      "prompt_layout_errors": (~layout_ok).astype(jnp.int32),
       "nonfinite_rewards": jnp.sum(~jnp.isfinite(batch.rewards) & has_tokens).astype(jnp.int32),
       "advantage/abs_mean": adv_sum / jnp.maximum(adv_n, 1.0),
   }

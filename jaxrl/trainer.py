@@ -32,14 +32,14 @@ from ml_collections import ConfigDict
 from jaxrl import checkpoint, export
 from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
-from jaxrl import parallel
+from jaxrl import parallel, profiling
 from jaxrl import run_dir as run_dir_lib
 from jaxrl.evaluation import Evaluator
 from jaxrl.loop_state import LoopState
 from jaxrl.parts import Parts, build_parts
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.dynamic_sampling import finite_mean
-from jaxrl.pipeline.producer import RingItem, RolloutProducer, train_fields
+from jaxrl.pipeline.producer import RingItem, RolloutProducer, process_share, train_fields
 from jaxrl.pipeline.staleness import staleness_from_rows
 from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl
 from jaxrl.signals import Stop  # noqa: F401  (python -m jaxrl.train installs it)
@@ -95,8 +95,9 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
 
 def step_metrics(parts: Parts, step: int, batch_id: int, item: RingItem, lag: int,
                  train: dict, loop: LoopState, pipe: dict, evaluator: Evaluator,
-                 step_s: float, elapsed_s: float) -> dict:
-  """The metrics row of RL step `step`, which trained on batch `batch_id` (`item`)."""
+                 perf: dict, elapsed_s: float) -> dict:
+  """The metrics row of RL step `step`, which trained on batch `batch_id` (`item`); `perf` is
+  its time breakdown (`jaxrl.profiling.StepPerf.metrics`)."""
   meta, consumer = item.meta, step - 1  # versions published so far: one per completed step
   rewards = meta.tags["reward"]
   mixed = [np.ptp(rewards[g]) > 0 for g in meta.group_rows()]
@@ -118,9 +119,7 @@ def step_metrics(parts: Parts, step: int, batch_id: int, item: RingItem, lag: in
           **{f"pipeline/{k}": v for k, v in pipe.items()},
           "data_plane/train_rows": parts.data.stats()["train/rows"],
           "val/trainer_wait_s": evaluator.wait_s,
-          "perf/step_time_s": step_s, "perf/sample_time_s": item.sample_time_s,
-          "perf/elapsed_s": elapsed_s,
-          "perf/gen_tokens_per_s": float(meta.lengths.sum()) / step_s}
+          **perf, "perf/elapsed_s": elapsed_s}
 
 
 def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_lib.Progress, *,
@@ -128,7 +127,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
        warm: dict | None = None, stop=None,
        on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None,
        rl_step: tuple[Callable, Callable] | None = None,
-       ahead: CompileAhead | None = None) -> tuple[object, dict]:
+       ahead: CompileAhead | None = None, run_dir: str | None = None) -> tuple[object, dict]:
   """GRPO for `train.steps` steps from `params` (see the module docstring); returns the final
   params and the summary.
 
@@ -141,7 +140,8 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   `on_batch(step, batch) -> batch`, if given, sees (and may replace) every train batch just
   before its step: a seam for fault injection and debugging. `rl_step` is `build_rl_step(parts,
   params)` when the caller built it already (None: built here); `ahead`, a `CompileAhead`
-  compiling that step, is waited for before the first update.
+  compiling that step, is waited for before the first update. `run_dir`: where
+  `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace).
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
@@ -149,22 +149,28 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   step_fn, init_state = rl_step or build_rl_step(parts, params)
   state = init_state(params)
   fields = train_fields(cfg)
-  # Several processes must launch computations in the same order: so evaluation runs inline,
-  # and rollouts too (the same batches, versions and staleness; no overlap).
+  # Several processes must launch global computations in the same order: evaluation runs inline;
+  # rollouts run on a thread that makes each process's share of a batch on its own devices
+  # (`process_share`; the trainer thread publishes params to them and assembles each batch), or,
+  # where a batch cannot be split by process, inline (same batches and staleness; no overlap).
   single = jax.process_count() == 1
+  share = process_share(parts)
   evaluator = Evaluator(parts, asynchronous=v.asynchronous and single, max_wait_s=v.max_wait_s)
   # Published params are copies: the train step donates its own buffers, and the worker (or an
   # evaluation pass) may still be reading an older version. Disaggregated, the copy is the
-  # reshard onto the rollout mesh.
-  prepare = parts.for_rollout if parts.rollout_mesh is not parts.mesh else \
-      (lambda p: jax.tree.map(jnp.copy, p))
+  # reshard onto the rollout mesh; on several processes, each process's copy on its own devices.
+  prepare = share.publish if share is not None else parts.for_rollout \
+      if parts.rollout_mesh is not parts.mesh else (lambda p: jax.tree.map(jnp.copy, p))
   handoff = ParamsHandoff()  # partial rollouts read its newest version while decoding
-  producer = RolloutProducer(parts, parts.train_loop(handoff.latest if r.partial_rollouts
-                                                     else None))
-  pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s, inline=not single,
-                     prepare=prepare, handoff=handoff)
+  producer = RolloutProducer(parts, parts.train_loop(
+      handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
+  pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s,
+                     inline=not single and share is None, prepare=prepare, handoff=handoff)
+  # What evaluation (inline on several processes, so done before the next step) generates with.
+  for_eval = (lambda published: published) if share is None else (lambda _: state.params)
   loop = LoopState(warmup=dict(warm or {}), config=run_dir_lib.checkpoint_config(cfg))
   timer = metrics_lib.Timer()
+  perf = profiling.StepPerf(parts, params, run_dir)  # time breakdown, MFU, profiler trace
   if resume is not None:
     reader, start, host = resume
     state, loop = LoopState.restore(reader, start, host, state, pipe)
@@ -186,13 +192,14 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
                f"lag {r.lag}{ds}")
   published = pipe.publish(loop.step, state.params)
   if loop.step == 0 and v.at_start:
-    evaluator.submit(0, published)
+    evaluator.submit(0, for_eval(published))
   stopped_at = None
   try:
     with pipe:
       for step in range(loop.step + 1, t.steps + 1):
-        st = metrics_lib.Timer()
+        perf.begin(step)
         batch_id, item = pipe.pull()
+        perf.lap("wait")
         arrays = parts.data.get(item.meta, fields)
         batch = TrainBatch(**{f: arrays.get(f) for f in TrainBatch._fields})
         if on_batch is not None:
@@ -202,24 +209,30 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
           ahead = None
         state, m = step_fn(state, batch)
         m = parallel.distributed.fetch(m)
+        perf.lap("train")
         del batch, arrays
         parts.data.discard(item.meta)  # the step consumed these rows
         loop.step = step
+        if int(m["prompt_layout_errors"]):
+          raise RuntimeError(f"step {step}: the train batch's rows are not in groups of "
+                             f"{r.group_size} with one prompt each; the update was not applied "
+                             "(set train.share_prompts=false to train it row by row)")
         skipped = int(m["skipped_nonfinite"])
         loop.skipped_updates += skipped
         loop.consecutive_skipped = loop.consecutive_skipped + 1 if skipped else 0
         published = pipe.publish(step, state.params)
+        perf.lap("publish")
         if step % v.every == 0 or (v.at_end and step == t.steps):
-          evaluator.submit(step, published)
-        dt = st()
+          evaluator.submit(step, for_eval(published))
+        evaluations = evaluator.poll()
+        perf.lap("val")
         row = step_metrics(parts, step, batch_id, item, r.lag, m, loop, pipe.stats(), evaluator,
-                           dt, timer())
+                           perf.metrics(item), timer())
         out.write(row)
-        log_evaluations(evaluator.poll())
-        acc = loop.val_accuracy[max(loop.val_accuracy)] if loop.val_accuracy else float("nan")
-        skips = f" | {loop.skipped_updates} skipped" if loop.skipped_updates else ""
-        progress.update(step, t.steps, f"reward {row['reward']:.3f} | val {acc:.3f} | "
-                        f"{dt:.2f} s/step | {row['perf/gen_tokens_per_s']:.0f} tok/s{skips}")
+        log_evaluations(evaluations)
+        acc = loop.val_accuracy[max(loop.val_accuracy)] if loop.val_accuracy else None
+        progress.update(step, t.steps, metrics_lib.rl_progress_text(
+            row, acc, skipped_prompts=parts.source.draws.total))
         if ckpt is not None:
           ckpt.check()  # a failed background save stops the run now, not at the next save
         halt = None
@@ -241,6 +254,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     if stopped_at is None:
       log_evaluations(evaluator.wait())
   finally:
+    perf.close()
     evaluator.close()
     parts.data.clear("train")  # batches still in the ring when the run ends or fails
   progress.newline()
@@ -290,6 +304,9 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
                  f"{jax.devices()[0].platform}")
+    note = parts.source.note()  # rows the checks up front skip (data.max_skipped_frac)
+    if note:
+      progress.say(note)
     if mesh_shape.disaggregated:
       first = mesh_shape.train_devices
       progress.say(f"disaggregated: train on devices 0-{mesh_shape.size - 1}, rollouts on "
@@ -301,7 +318,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     ahead = CompileAhead(parts, rl_step, params) if jax.process_count() == 1 else None
     unreadable: set[int] = set()
     while True:
-      out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=start.keep_lines)
+      out = metrics_lib.MetricsWriter(run_dir if main else None, keep_lines=start.keep_lines,
+                                      cfg=cfg)
       resume = None
       if start.resume is not None:
         directory, step, host = start.resume
@@ -315,7 +333,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
           return warm
       try:
         params, rl_summary = rl(parts, params, out, progress, ckpt=ckpt, resume=resume,
-                                warm=warm, stop=stop, rl_step=rl_step, ahead=ahead)
+                                warm=warm, stop=stop, rl_step=rl_step, ahead=ahead,
+                                run_dir=run_dir if main else None)
         break
       except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
         progress.say(f"{e}; trying the one before it")

@@ -32,6 +32,7 @@ def advantages(estimator, rewards, group_id, valid=None, eps=1e-6, ddof=0, clip_
   b = r.shape[0]
   valid = np.ones(b, bool) if valid is None else np.asarray(valid, bool)
   out = np.zeros(b)
+  batch = r[valid]
   for g in set(gid.tolist()):
     idx = [i for i in range(b) if gid[i] == g and valid[i]]
     vals = r[idx]
@@ -43,6 +44,13 @@ def advantages(estimator, rewards, group_id, valid=None, eps=1e-6, ddof=0, clip_
         mean = vals.sum() / n
         std = np.sqrt(((vals - mean) ** 2).sum() / (n - ddof))
         out[i] = (r[i] - mean) / (std + eps)
+      elif estimator == "grpo_batch_std":
+        # Group mean, std of every valid reward of the batch (0 without spread in either).
+        nb = len(batch)
+        if vals.max() == vals.min() or nb <= ddof or batch.max() == batch.min():
+          continue
+        std = np.sqrt(((batch - batch.mean()) ** 2).sum() / (nb - ddof))
+        out[i] = (r[i] - vals.sum() / n) / (std + eps)
       elif estimator == "dr_grpo":
         out[i] = r[i] - vals.sum() / n
       elif estimator == "rloo":
@@ -58,6 +66,18 @@ def advantages(estimator, rewards, group_id, valid=None, eps=1e-6, ddof=0, clip_
 
 
 # --- KL estimators --------------------------------------------------------------------------
+
+
+def importance_weighted_kl(lp, base, behaviour, estimator, mask, level="token", clamp=20.0):
+  """`w * k`, `w = exp(lp - behaviour)` per token or the row's exp(mean over valid tokens)
+  (log-ratio clamped to +-clamp); the value only (its gradient by `fd_grad`)."""
+  mask = np.asarray(mask, bool)
+  d = _clean(lp, mask) - _clean(behaviour, mask)
+  if level == "sequence":
+    n = np.maximum(mask.sum(axis=1, keepdims=True), 1)
+    d = np.repeat(d.sum(axis=1, keepdims=True) / n, d.shape[1], axis=1)
+  w = np.exp(np.clip(d, -clamp, clamp))
+  return np.where(mask, w * kl(lp, base, estimator, mask)[0], 0.0)
 
 
 def kl(lp, base, estimator, mask=None, clamp_input=20.0, clamp_output=10.0):
@@ -89,7 +109,8 @@ def kl(lp, base, estimator, mask=None, clamp_input=20.0, clamp_output=10.0):
 # --- policy losses --------------------------------------------------------------------------
 
 
-def policy(name, lp, lp_old, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip=None, lp_sg=None):
+def policy(name, lp, lp_old, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip=None, lp_sg=None,
+           tau_pos=1.0, tau_neg=1.05):
   """(loss, ratio, clipped) per token, float64."""
   mask = np.asarray(mask, bool)
   b, n = mask.shape
@@ -109,6 +130,12 @@ def policy(name, lp, lp_old, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip=Non
     for t in valid:
       if name == "reinforce":
         loss[i, t] = -a[i, t] * lp[i, t]
+        continue
+      if name == "sapo":
+        r = np.exp(lp[i, t] - lp_old[i, t])
+        tau = tau_pos if a[i, t] > 0 else tau_neg
+        ratio[i, t] = r
+        loss[i, t] = -a[i, t] * 4.0 / tau / (1.0 + np.exp(-tau * (r - 1.0)))
         continue
       if name == "cispo":
         r_sg = np.exp(lp_sg[i, t] - lp_old[i, t])
@@ -273,11 +300,16 @@ def mismatch(lp_old, lp_gen, mask, seq_threshold=None):
 
 # --- the composed objective -----------------------------------------------------------------
 
-KL_RED = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean"}
+KL_RED = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean", "policy": None}
+
+
+def kl_red(cfg, name):
+  return KL_RED[name] or cfg.reduction
 
 
 def reductions_of(cfg):
-  return sorted({cfg.reduction, KL_RED[cfg.rollout_kl_reduction], KL_RED[cfg.ref_kl_reduction]})
+  return sorted({cfg.reduction, kl_red(cfg, cfg.rollout_kl_reduction),
+                 kl_red(cfg, cfg.ref_kl_reduction)})
 
 
 def counts(cfg, mask):
@@ -291,7 +323,9 @@ def objective(cfg, lp, lp_old, adv, mask, cnt, lp_gen=None, lp_ref=None, entropy
   lp_sg = lp if lp_sg is None else lp_sg
   div = lambda s, red: s / max(cnt[red], 1.0)
   pol, ratio, clipped = policy(cfg.policy, lp, lp_old, adv, mask, cfg.eps_low, cfg.eps_high,
-                               cfg.dual_clip, lp_sg=lp_sg)
+                               cfg.dual_clip, lp_sg=lp_sg,
+                               tau_pos=getattr(cfg, "sapo_tau_pos", 1.0),
+                               tau_neg=getattr(cfg, "sapo_tau_neg", 1.05))
   keep, w, metrics = mask.copy(), np.ones(mask.shape), {}
   if lp_gen is not None:
     mm, keep_rows = mismatch(lp_old, lp_gen, mask, cfg.seq_logprob_error_threshold)
@@ -312,15 +346,23 @@ def objective(cfg, lp, lp_old, adv, mask, cnt, lp_gen=None, lp_ref=None, entropy
   metrics["ratio/min"] = ratio.ravel()[sel].min() if sel.any() else 0.0
   metrics["clip_frac"] = clipped.ravel()[sel].mean() if sel.any() else 0.0
   metrics["keep_frac"] = keep.ravel()[sel].mean() if sel.any() else 0.0
-  for key, base, coef, est, red in (
+  behaviour = lp_gen if getattr(cfg, "ratio_base", "trainer") == "rollout" else lp_old
+  for key, base, coef, est, red, weighted in (
       ("rollout_kl", lp_gen, cfg.rollout_kl_coef, cfg.rollout_kl_estimator,
-       cfg.rollout_kl_reduction),
-      ("ref_kl", lp_ref, cfg.ref_kl_coef, cfg.ref_kl_estimator, cfg.ref_kl_reduction)):
+       cfg.rollout_kl_reduction, False),
+      ("ref_kl", lp_ref, cfg.ref_kl_coef, cfg.ref_kl_estimator, cfg.ref_kl_reduction,
+       getattr(cfg, "ref_kl_importance_weighted", False))):
     if base is None:
       continue
-    s, c = reduce(KL_RED[red], kl(lp, base, est, mask)[0], mask)
+    red = kl_red(cfg, red)
+    if weighted:
+      level = "sequence" if cfg.policy == "gspo" else "token"
+      x = importance_weighted_kl(lp, base, behaviour, est, mask, level)
+    else:
+      x = kl(lp, base, est, mask)[0]
+    s, c = reduce(red, x, mask, cfg.norm_len)
     metrics[key] = s / c if c else 0.0
-    loss += coef * div(s, KL_RED[red])
+    loss += coef * div(s, red)
   if entropy is not None:
     s, _ = reduce(cfg.reduction, entropy, mask, cfg.norm_len)
     ent = _clean(entropy, mask)

@@ -101,7 +101,7 @@ def test_row_checks_name_each_reason():
   assert check(Task("add", "  ", {}, "x"))[0] == "empty_prompt"
   assert check(Task("add", "12+3é=", {}, "x"))[0] == "undecodable"
   assert check(Task("add", "1234+5678=", {}, "x")) == (
-      "too_long", "10 prompt tokens, over rollout.max_prompt_len=6")
+      "too_long", "10 prompt tokens, over rollout.max_prompt_len=6", 10)  # size: its tokens
 
 
 class _Injecting:

@@ -9,7 +9,8 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxrl.config import (ConfigError, MeshShape, distributed_settings, parse_overrides,
-                          resolve_microbatches, run_microbatches, to_dict, validate)
+                          resolve_microbatches, run_microbatches, shared_prompts, to_dict,
+                          validate)
 from jaxrl.configs.default import get_config
 
 
@@ -198,13 +199,19 @@ def test_microbatch_not_divisible_by_batch_shards():
 
 
 def test_auto_microbatches_keep_each_device_within_the_token_budget():
-  # The default: 128 x 8 = 1024 rows of 6 + 4 = 10 tokens, budget 2048: 1024 / m * 10 <= 2048
-  # needs m >= 5.1, and the smallest divisor of 1024 from there is 8 (128 rows, 1280 tokens).
+  # The default runs each group's prompt once (train.share_prompts): 128 groups of
+  # 6 + 8 x 4 = 38 tokens, budget 2048: 128 / m * 38 <= 2048 needs m >= 2.4, and the smallest
+  # divisor of 128 from there is 4 (32 groups, 1216 tokens).
   cfg = get_config()
   assert cfg.train.num_microbatches == 0 and cfg.train.microbatch_tokens == 2048
-  assert run_microbatches(cfg, shards=1) == 8
-  # Over 8 batch shards each device holds 128 rows (1280 tokens): one micro-batch.
+  assert cfg.train.share_prompts and shared_prompts(cfg) == 8
+  assert run_microbatches(cfg, shards=1) == 4
+  # Over 8 batch shards each device holds 16 groups (608 tokens): one micro-batch.
   assert run_microbatches(cfg, shards=8) == 1
+  # Row by row: 1024 rows of 6 + 4 = 10 tokens: 1024 / m * 10 <= 2048 needs m >= 5.1, and the
+  # smallest divisor of 1024 from there is 8 (128 rows, 1280 tokens).
+  cfg.train.share_prompts = False
+  assert shared_prompts(cfg) == 0 and run_microbatches(cfg, shards=1) == 8
   # A small batch fits at once; an explicit count is taken as it is.
   assert resolve_microbatches(0, rows=16, seq_len=10, shards=1, token_budget=2048) == 1
   assert resolve_microbatches(3, rows=1024, seq_len=10, shards=1, token_budget=2048) == 3
@@ -216,6 +223,9 @@ def test_auto_microbatches_keep_each_device_within_the_token_budget():
   # The completion budget counts all turns when max_total_tokens is set.
   cfg.rollout.max_total_tokens = 14  # 1024 x (6 + 14) = 20 tokens a row: 1024 / m <= 102
   assert run_microbatches(cfg, shards=1) == 16
+  # Shared prompts: 128 groups of 6 + 8 x 14 = 118 tokens: 128 / m <= 17.4, so m = 8.
+  cfg.train.share_prompts = True
+  assert run_microbatches(cfg, shards=1) == 8
 
 
 def test_auto_microbatches_need_a_batch_the_shards_divide():

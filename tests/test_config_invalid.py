@@ -92,7 +92,7 @@ CASES = [
     ("override_without_value", ["--config.seed"], ["seed"], "needs a value"),
     # advantage
     ("unknown_estimator", ["--config.advantage.estimator=gae"], ["advantage.estimator"],
-     "one of ['dr_grpo', 'grpo', 'rloo']"),
+     "one of ['dr_grpo', 'grpo', 'grpo_batch_std', 'rloo']"),
     ("negative_advantage_clip", ["--config.advantage.clip=-1"], ["advantage.clip"], ">= 0"),
     # loss
     ("two_importance_weights", ["--config.loss.correction=token_tis+seq_tis"],
@@ -118,7 +118,7 @@ CASES = [
      "one of ['abs', 'k1', 'k2', 'k3']"),
     # ref_kl
     ("unknown_kl_reduction", ["--config.ref_kl.reduction=seq_sum"], ["ref_kl.reduction"],
-     "one of ['seq_mean', 'token_mean']"),
+     "one of ['policy', 'seq_mean', 'token_mean']"),
     ("negative_ref_kl", ["--config.ref_kl.coef=-0.1"], ["ref_kl.coef"], ">= 0"),
     # val
     ("greedy_pass_at_k", ["--config.val.samples_per_prompt=4"], ["val.temperature"],

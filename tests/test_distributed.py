@@ -188,7 +188,7 @@ def test_auto_key():
 def test_checks_apply_to_the_detected_process_count():
   cfg = get_config()
   cfg.rollout.engine = "continuous"
-  cfg.rollout.lag = 1  # a lag is fine with several processes (rollouts made inline)
+  cfg.rollout.lag = 1  # a lag is fine with several processes (test_multiprocess_rollouts)
   validate(cfg, 8)
   validate(cfg, 8, num_processes=1)
   [problem] = _problems(cfg, num_processes=2)

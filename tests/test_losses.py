@@ -658,7 +658,7 @@ def test_stats_merge_and_finalize():
 
 def full_config(policy="ppo", reduction="token_mean", **kw):
   base = dict(policy=policy, reduction=reduction, eps_low=0.2, eps_high=0.28,
-              dual_clip=None if policy in ("cispo", "reinforce") else 2.0,
+              dual_clip=None if policy in ("cispo", "sapo", "reinforce") else 2.0,
               correction=("outlier_mask", "token_tis", "dppo_tv"), correction_params=WIDE,
               rollout_kl_coef=0.3, rollout_kl_estimator="k3", rollout_kl_reduction="seq_mean",
               ref_kl_coef=0.2, ref_kl_estimator="k2", ref_kl_reduction="token_mean",
@@ -768,14 +768,15 @@ def test_objective_under_jit_and_padding_microbatch():
 masks = hnp.arrays(bool, (B, N))
 POLICY_REDUCTIONS = [(p, r) for p in L.POLICY_LOSSES for r in L.REDUCTIONS]
 configs = st.builds(
-    lambda pr, corr, rkl, rred, est, thr: full_config(
+    lambda pr, corr, rkl, rred, est, thr, iw: full_config(
         pr[0], pr[1], correction=corr, rollout_kl_reduction=rred, rollout_kl_estimator=est,
-        rollout_kl_coef=rkl, seq_logprob_error_threshold=thr),
+        rollout_kl_coef=rkl, seq_logprob_error_threshold=thr, ref_kl_reduction=rred,
+        ref_kl_importance_weighted=iw),
     st.sampled_from(POLICY_REDUCTIONS),
     st.sampled_from([(), ("token_tis",), ("icepop", "outlier_mask"), ("seq_tis", "geo_mask"),
                      ("seq_mask_tis", "product_mask", "dppo_tv")]),
-    st.sampled_from([0.0, 0.5]), st.sampled_from(["token_mean", "seq_mean"]),
-    st.sampled_from(L.KL_ESTIMATORS), st.sampled_from([None, 1.4]))
+    st.sampled_from([0.0, 0.5]), st.sampled_from(list(L.KL_REDUCTIONS)),
+    st.sampled_from(L.KL_ESTIMATORS), st.sampled_from([None, 1.4]), st.booleans())
 
 
 def check_split(cfg, x, bounds):

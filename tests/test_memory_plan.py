@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from conftest import tiny_model_config
 from jaxrl import parallel
@@ -36,7 +37,7 @@ def _plan(mesh_shape, param_dtype="float32", **kw):
 @pytest.mark.parametrize("param_dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
 def test_param_optimizer_and_kv_bytes(devices, mesh_shape, param_dtype, itemsize):
   r = _plan(mesh_shape, param_dtype)
-  fsdp = mesh_shape[1]
+  data, fsdp = mesh_shape[:2]
   b, g = r["per_device_bytes"], r["global_bytes"]
   assert r["params"] == SHARDED + REPLICATED
   assert g["params"] == (SHARDED + REPLICATED) * itemsize
@@ -51,11 +52,12 @@ def test_param_optimizer_and_kv_bytes(devices, mesh_shape, param_dtype, itemsize
   B, Lp, N = SIZES.rows, SIZES.train_prompt_len, SIZES.train_new_tokens
   assert b["train_batch"] * 8 == g["train_batch"] == B * (4 * Lp + Lp + 4 * N + N + 4 * N + N
                                                           + 12)
-  # Not compiled: the cache is counted replicated (the sampler sets no sharding).
+  # The sampler splits the cache's rows over 'data' (8 rows: 1 or 2 shards), never over 'fsdp'.
   rows, slots = SIZES.prompts * SIZES.group, SIZES.prompt_len + SIZES.new_tokens
   kv = L * 2 * rows * K * DH * slots * itemsize
-  assert r["kv_cache"]["shards"] == 1
-  assert b["kv_cache"] == kv + rows * slots  # + the [rows, slots] bool validity mask
+  assert r["kv_cache"]["shards"] == data
+  assert r["kv_cache"]["replicated_bytes"] == g["kv_cache"] == kv + rows * slots  # + bool mask
+  assert b["kv_cache"] == (kv + rows * slots) // data
   assert r["kv_cache"]["k_shape"] == [L, rows, K, DH, slots]
   assert r["train_step"]["compiled"] is False and "memory_analysis" not in r["train_step"]
   t = r["totals_bytes"]
@@ -83,21 +85,51 @@ def test_compiled_memory_analysis(devices):
                                             + b["train_batch"] + 4)
     assert ma["alias_size_in_bytes"] >= b["params"] + b["optimizer_state"]  # donated state
     assert r["totals_bytes"]["train"] == ma["peak_estimate_bytes"] > ma["temp_size_in_bytes"]
-  # 2 kv heads on a tensor axis of 2: the compiled prefill splits the cache by kv head.
+  # 2 kv heads on a tensor axis of 2: the sampler splits the cache by kv head (data 1 splits no
+  # row), as the compiled prefill's output shardings agree (`plan` checks them).
   rows, slots = SIZES.prompts * SIZES.group, SIZES.prompt_len + SIZES.new_tokens
   assert r["kv_cache"]["shards"] == 2, r["kv_cache"]["sharding"]
-  kv = L * 2 * rows * K * DH * slots * 4 // 2
-  # The [rows, slots] bool validity mask may or may not be split too.
-  assert kv + rows * slots // 2 <= b["kv_cache"] <= kv + rows * slots
+  assert r["kv_cache"]["sharding"]["k"] == str(P(None, None, "tensor"))
+  assert "checked" in r["kv_cache"]["sharded_as"]
+  # Keys and values halved; the [rows, slots] bool validity mask (no head axis) whole.
+  assert b["kv_cache"] == L * 2 * rows * K * DH * slots * 4 // 2 + rows * slots
 
 
 def test_kv_cache_whole_on_fsdp_mesh(devices):
-  # The sampler sets no sharding: on a pure fsdp mesh XLA keeps the whole cache on every device.
-  r = _plan((1, 8, 1), compile_rollout=True, compile_decode=False)
+  # Rollout rows go over 'data' only: on a pure fsdp mesh every device holds the whole cache.
+  r = _plan((1, 8, 1))
   rows, slots = SIZES.prompts * SIZES.group, SIZES.prompt_len + SIZES.new_tokens
-  assert r["kv_cache"]["shards"] == 1
+  assert r["kv_cache"]["shards"] == 1 and "note" in r["kv_cache"]
   assert r["per_device_bytes"]["kv_cache"] == L * 2 * rows * K * DH * slots * 4 + rows * slots
   assert "decode" not in r["rollout"]
+
+
+def test_recipe_kv_cache_drops_by_the_data_factor_on_an_8_device_rollout_mesh(devices):
+  """configs/qwen2_5_0_5b_gsm8k.py's rollout (64 prompts x 8 samples, 256 + 512 cache slots,
+  bf16) on Qwen2.5-0.5B shapes: 24 layers x 2 kv heads x 64 dims.
+
+  Keys + values: 24 x 2 x 512 rows x 2 x 64 x 768 slots x 2 bytes = 4,831,838,208 bytes, + the
+  512 x 768 bool mask = 4,832,231,424 (4.50 GiB) on every device unsplit; on an (8, 1, 1)
+  rollout mesh each device holds 64 rows: 604,028,928 (0.56 GiB), 1/8. A (4, 1, 2) mesh splits
+  rows by 4 and the 2 kv heads by 2: the keys and values by 8 again, the mask by 4.
+  """
+  from jaxrl.recipe import load_recipe
+  recipe = mp.recipe_defaults(load_recipe(str(_PATH.parents[1] / "configs" /
+                                              "qwen2_5_0_5b_gsm8k.py")), 8)
+  assert recipe["mesh"] == "1,8,1"  # fsdp over every device, colocated
+  sizes = mp.Sizes(rows=512, train_prompt_len=256, train_new_tokens=512,
+                   microbatches=recipe["microbatches"], prompts=recipe["prompts"],
+                   group=recipe["group"], prompt_len=recipe["prompt_len"],
+                   new_tokens=recipe["new_tokens"])
+  cfg = mp.qwen_config("0.5b", recipe["param_dtype"], recipe["dtype"])
+  whole = 24 * 2 * 512 * 2 * 64 * 768 * 2 + 512 * 768
+  for mesh_shape, shards, per_device in [((8, 1, 1), 8, whole // 8),
+                                         ((4, 1, 2), 8, (whole - 512 * 768) // 8 + 512 * 768 // 4),
+                                         ((1, 8, 1), 1, whole)]:  # the colocated recipe mesh
+    kv, _ = mp.kv_cache_plan(cfg, parallel.make_mesh(*mesh_shape), sizes)
+    assert kv["replicated_bytes"] == whole == 4_832_231_424
+    assert kv["shards"] == shards and kv["per_device_bytes"] == per_device, (mesh_shape, kv)
+  assert whole // 8 == 604_028_928
 
 
 def test_qwen_shapes_match_published_counts():

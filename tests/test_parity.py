@@ -105,9 +105,9 @@ def test_one_device_vs_eight_devices(tmp_path):
   assert n > 100
 
 
-# Lag 1 on several processes: the rollouts are produced inline by the trainer (`InlineWorker`)
-# while one process uses the rollout thread; validation mid-run and a checkpoint of the lag ring
-# mid-run are both on the path.
+# Lag 1 on several processes: each process makes its own groups on its rollout thread over its
+# local devices (as one process does over all of them); validation mid-run and a checkpoint of the
+# lag ring mid-run are both on the path.
 LAG1 = ["--config.rollout.lag=1", "--config.train.steps=4", "--config.val.every=2",
         "--config.checkpoint.every=2"]
 

@@ -239,3 +239,60 @@ def test_reference_params_only_exist_with_a_reference_kl_term():
   _, init = build_train_step(graphdef, make_optimizer(1e-3), _FULL, mesh, params)
   ref = init(params).ref_params
   assert _max_param_diff(ref, params) == 0.0
+
+
+def _grouped_batch(seed=0) -> TrainBatch:
+  """`_batch` with one prompt (and its padding) per group of 4 rows, as the trainer lays out
+  GRPO batches, and some completion tokens that are context but not trained (multi-turn
+  observations)."""
+  b = _batch(seed)
+  first = lambda x: np.repeat(x[::4], 4, axis=0)
+  seen = b.mask | (np.arange(N)[None] < 2)
+  return b._replace(prompt_tokens=first(b.prompt_tokens), prompt_valid=first(b.prompt_valid),
+                    completion_valid=seen)
+
+
+# Scanned layers run in the slow step (fast-suite time budget).
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_shared_prompts_match_running_every_row(scan_layers):
+  # Each group's prompt runs once and its 4 completions attend to that one copy of its keys and
+  # values: the same losses, metrics and updates as running every row's prompt (the full
+  # objective, so the reference model's pass is shared too), in 2 micro-batches of 2 groups.
+  batch = _grouped_batch()
+  shared = dataclasses.replace(_FULL, shared_prompts=4)
+  ref_state, ref_m, ref_losses = _run((1, 1, 1), 2, batch=batch, step_cfg=_FULL, steps=3,
+                                      scan_layers=scan_layers)
+  state, m, losses_ = _run((1, 1, 1), 2, batch=batch, step_cfg=shared, steps=3,
+                           scan_layers=scan_layers)
+  np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-7)
+  assert _max_param_diff(state.params, ref_state.params) <= 1e-5
+  for key in ("rollout_kl", "ref_kl", "entropy", "grad_norm", "mismatch/abs_diff/max"):
+    np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=1e-4, err_msg=key)
+  assert int(m["prompt_layout_errors"]) == 0 and int(state.step) == 3
+
+
+@pytest.mark.slow  # compiles a step (fast-suite time budget)
+def test_shared_prompts_refuse_a_batch_whose_groups_do_not_share_one_prompt():
+  # `_batch` gives every row its own prompt: the shared pass would train on the wrong prompts,
+  # so the step applies nothing and says so (the trainer then stops with an error).
+  cfg = tiny_model_config()
+  mesh = parallel.make_mesh(1, 1, 1)
+  graphdef, params = init_model(cfg, seed=0)
+  before = jax.tree.map(np.asarray, params)
+  step, init = build_train_step(graphdef, make_optimizer(1e-3), StepConfig(shared_prompts=4),
+                                mesh, params)
+  state, m = step(init(params), jax.device_put(_batch(), parallel.batch_sharding(mesh)))
+  assert int(m["prompt_layout_errors"]) == 1 and int(state.step) == 0
+  assert _max_param_diff(before, state.params) == 0
+  state, m = step(state, jax.device_put(_grouped_batch(), parallel.batch_sharding(mesh)))
+  assert int(m["prompt_layout_errors"]) == 0 and int(state.step) == 1
+
+
+@pytest.mark.slow  # 8-device compiles (fast-suite time budget)
+def test_shared_prompts_on_a_sharded_mesh_match_one_device(devices):
+  batch = _grouped_batch()
+  shared = dataclasses.replace(_FULL, shared_prompts=4)
+  ref_state, _, ref_losses = _run((1, 1, 1), 1, batch=batch, step_cfg=_FULL)
+  state, _, losses_ = _run((2, 2, 2), 2, batch=batch, step_cfg=shared)
+  np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-6)
+  assert _max_param_diff(state.params, ref_state.params) <= 1e-5

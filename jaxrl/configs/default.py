@@ -35,6 +35,20 @@ def get_config() -> ConfigDict:
   c.checkpoint.keep = 2  # newest checkpoints kept
   c.checkpoint.async_save = True  # write in the background while training goes on
 
+  # Where every metrics row goes besides <run_dir>/metrics.jsonl (always written), on process 0
+  # (jaxrl.sinks; README "Watching a run").
+  c.logging = ConfigDict()
+  # Comma list of: jsonl | tensorboard (event files in <run_dir>/tensorboard/<phase>/, pip extra
+  # `tensorboard`) | wandb (a Weights & Biases run, files in <run_dir>/wandb/, pip extra `wandb`).
+  c.logging.backends = "jsonl"
+  c.logging.wandb = ConfigDict()
+  c.logging.wandb.project = "jaxrl"  # the W&B project the run is logged to
+  c.logging.wandb.entity = ""  # team or user; "" = your W&B default entity
+  # "online", "offline" (no network; upload later with `wandb sync <run_dir>/wandb/offline-run-*`),
+  # "disabled", or "" = W&B's default (the WANDB_MODE environment variable, else online).
+  c.logging.wandb.mode = ""
+  c.logging.wandb.tags = ""  # comma-separated tags of the W&B run
+
   c.model = ConfigDict()
   # A Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
   # tokenizer_config.json; Llama 3 / Qwen2 / Qwen2.5 / Qwen3): the architecture comes from its
@@ -63,8 +77,8 @@ def get_config() -> ConfigDict:
   # How prompts become tokens with a Hugging Face tokenizer (model.hf_path).
   c.tokenizer = ConfigDict()
   # Render each task prompt as a user message through the model's chat template (with the
-  # assistant turn opened), and environment observations as further user turns; false, or a
-  # tokenizer without a template: plain text with the tokenizer's own special tokens.
+  # assistant turn opened), and environment observations as further user turns (an error with a
+  # tokenizer that has no template); false: plain text with the tokenizer's own special tokens.
   c.tokenizer.chat_template = True
   c.tokenizer.system_prompt = ""  # a system message before every prompt; "" = the template's own
 
@@ -85,6 +99,10 @@ def get_config() -> ConfigDict:
   # cannot encode, or an unknown task: "skip" (counted as data/skipped/<reason>) or "raise"
   # (an error naming the row).
   c.data.on_bad_row = "skip"
+  # Stop before training when more than this fraction of the train (or val) rows would be skipped,
+  # naming the longest prompt and rollout.max_prompt_len (checked up front for sources that list
+  # their rows, else over the first training draws); 1.0 = never stop.
+  c.data.max_skipped_frac = 0.1
 
   c.sft = ConfigDict()
   c.sft.enabled = True
@@ -147,10 +165,16 @@ def get_config() -> ConfigDict:
   c.train.grad_clip = 1.0  # global-norm clip
   # Gradient accumulation: the step sums the gradients of this many micro-batches (the gradient is
   # the whole batch's either way). 0 = auto: the fewest that keep each device's micro-batch within
-  # microbatch_tokens tokens (rows x (max_prompt_len + completion budget)); here 1,024 rows of 10
-  # tokens -> 8 micro-batches, ~2x faster on CPU than one (jaxrl.config.resolve_microbatches).
+  # microbatch_tokens tokens (rows x (max_prompt_len + completion budget); with share_prompts,
+  # groups x (max_prompt_len + G x completion budget)); here 128 groups of 6 + 8 x 4 tokens -> 4
+  # micro-batches, faster on CPU than one large pass (jaxrl.config.resolve_microbatches).
   c.train.num_microbatches = 0
   c.train.microbatch_tokens = 2048
+  # Run each group's prompt once in the train step: its G completions attend to one copy of the
+  # prompt's keys and values (the same function, ~2x less dense work for the default's 6-token
+  # prompts and 4-token completions). Auto micro-batching then counts a group as
+  # max_prompt_len + G x completion tokens.
+  c.train.share_prompts = True
   # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
   c.train.max_skipped_updates = 0
   # Stop (with a checkpoint) after this many updates in a row were skipped for non-finite
@@ -158,12 +182,15 @@ def get_config() -> ConfigDict:
   c.train.max_consecutive_skipped = 10
 
   c.advantage = ConfigDict()
-  c.advantage.estimator = "grpo"  # grpo | dr_grpo | rloo (jaxrl.losses.advantages)
-  c.advantage.eps = 1e-4  # grpo: (r - mean) / (std + eps), population std (ddof=0)
+  # grpo | grpo_batch_std | dr_grpo | rloo (jaxrl.losses.advantages). TRL's scale_rewards:
+  # "group" = grpo, "batch" = grpo_batch_std (group mean, batch std), "none" = dr_grpo.
+  c.advantage.estimator = "grpo"
+  c.advantage.eps = 1e-4  # grpo, grpo_batch_std: (r - mean_group) / (std + eps)
+  c.advantage.std_ddof = 0  # that std's ddof: 0 = population, 1 = sample std (TRL's)
   c.advantage.clip = 0.0  # clamp advantages to [-clip, clip]; 0 = off
 
   c.loss = ConfigDict()
-  c.loss.policy = "ppo"  # ppo | gspo | cispo | reinforce (jaxrl.losses.policy)
+  c.loss.policy = "ppo"  # ppo | gspo | cispo | sapo | reinforce (jaxrl.losses.policy)
   c.loss.eps_low = 0.2  # ratio clip range [1 - eps_low, 1 + eps_high]
   c.loss.eps_high = 0.2
   # The PPO ratio's denominator: "trainer" (the trainer's recompute before the update),
@@ -171,6 +198,10 @@ def get_config() -> ConfigDict:
   # (rollout when rollout.lag > 0, else trainer).
   c.loss.ratio_base = "auto"
   c.loss.dual_clip = 0.0  # c > 1 caps the loss of negative-advantage tokens at -A c; 0 = off
+  # SAPO's soft gate (4 / tau) sigmoid(tau (r - 1)) replaces the clip: tau where A > 0 and where
+  # A <= 0 (the paper's defaults; a larger tau narrows the trust region).
+  c.loss.sapo_tau_pos = 1.0
+  c.loss.sapo_tau_neg = 1.05
   c.loss.reduction = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum |
   #   seq_mean_token_sum_norm (jaxrl.losses.reductions)
   c.loss.norm_len = 0  # seq_mean_token_sum_norm's constant; 0 = rollout.max_new_tokens
@@ -200,12 +231,16 @@ def get_config() -> ConfigDict:
   c.rollout_kl = ConfigDict()  # KL to the sampler's log-probs on every trained token
   c.rollout_kl.coef = 0.0
   c.rollout_kl.estimator = "k2"  # k1 | k2 | k3 | abs (jaxrl.losses.kl)
-  c.rollout_kl.reduction = "token_mean"  # token_mean | seq_mean
+  # token_mean | seq_mean | policy (= loss.reduction, e.g. Dr. GRPO's constant normaliser)
+  c.rollout_kl.reduction = "token_mean"
 
   c.ref_kl = ConfigDict()  # KL to a frozen copy of the starting policy (built only if coef != 0)
   c.ref_kl.coef = 0.0
   c.ref_kl.estimator = "k3"
-  c.ref_kl.reduction = "token_mean"
+  c.ref_kl.reduction = "token_mean"  # token_mean | seq_mean | policy (as rollout_kl.reduction)
+  # Multiply the per-token KL by the policy ratio pi / pi_old (the loss's ratio, with gradient):
+  # unbiased when samples are off policy (TRL's use_bias_correction_kl).
+  c.ref_kl.importance_weighted = False
 
   # Validation on the held-out `val` split, through the same multi-turn loop as training.
   c.val = ConfigDict()
@@ -220,6 +255,15 @@ def get_config() -> ConfigDict:
 
   c.env = ConfigDict()
   c.env.timeout_s = 60.0  # an environment call slower than this fails its rows for the batch
+
+  # Profiling and the per-step time breakdown (jaxrl.profiling).
+  c.profile = ConfigDict()
+  # "A:B": a jax.profiler trace of RL steps A..B (inclusive, 1-based) into <run_dir>/profile/,
+  # for TensorBoard's profile plugin or Perfetto (process 0 only); "" = off.
+  c.profile.steps = ""
+  # Peak FLOP/s of one device for perf/mfu; 0 = from the device kind (TPU v4-v6e, A100, H100,
+  # H200, B200: dense bf16); unknown kinds (CPU) log perf/mfu as null.
+  c.profile.peak_flops = 0.0
 
   # Several processes (hosts), one program: every process gets the same config but its own
   # process_id; the mesh then spans every process's devices. Explicit keys (num_processes > 1)

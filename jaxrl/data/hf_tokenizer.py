@@ -153,10 +153,11 @@ class HFTokenizer:
     if use_chat_template and not self.chat_templates:
       raise ChatTemplateError(f"{source} has no chat template (looked for {CHAT_TEMPLATE_FILE}, "
                               f"{CHAT_TEMPLATE_DIR}/ and 'chat_template' in {CONFIG_FILE}); "
-                              f"set use_chat_template=False to encode prompts as plain text")
+                              f"set tokenizer.chat_template=false to encode prompts as plain "
+                              f"text")
     if system_prompt is not None and not use_chat_template:
-      raise ChatTemplateError(f"{source}: system_prompt needs a chat template "
-                              f"(use_chat_template is off)")
+      raise ChatTemplateError(f"{source}: tokenizer.system_prompt needs a chat template "
+                              f"(tokenizer.chat_template is false)")
     self.use_chat_template = bool(use_chat_template)
     self.system_prompt = system_prompt
     self.chat_template_kwargs = dict(chat_template_kwargs or {})

@@ -19,6 +19,13 @@ numbers), not "0.5". Only a pair the fallback rejects goes to the `math-verify` 
 is importable (`pip install jaxrl[math]`), which also accepts e.g. 2^{10} for 1024, \\sqrt{4} for
 2 or "18 \\text{ dollars}" for 18; `use_math_verify=False` forces the fallback alone.
 
+A pair of plain integers (up to 15 digits, no "%") that the fallback rejects is final, since
+math-verify compares integers exactly too: wrong GSM8K answers cost no symbolic parse. Verdicts
+are cached per (gold, predicted) pair, so the repeated answers of a group are graded once.
+math-verify's log records (e.g. its warning that the timeout is off, on a worker thread) are
+dropped while this grader calls it, on that thread only: other uses of math-verify in the same
+program keep its logging.
+
 math-verify bounds its parse and comparison with SIGALRM, which only the main thread can arm;
 on a worker thread (the rollout loop's) it must run without that timeout. So that no thread can
 hang on a hostile answer, and so the verdict does not depend on the thread, answers that could
@@ -34,8 +41,10 @@ from __future__ import annotations
 
 import codecs
 import importlib
+import contextlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -61,6 +70,7 @@ _FRAC = re.compile(r"(-?)\\[dt]?frac\{(-?(?:\d+(?:\.\d*)?|\.\d+))\}\{(-?(?:\d+(?
 _RISKY = re.compile(r"!|\\binom|\\choose|binomial|factorial|\\prod|\\sum|\\int|\\lim"
                     r"|(?:\^|\*\*)\s*[{(]?\s*-?\d{5,}")
 MAX_VERIFY_CHARS = 100
+_INTEGER = re.compile(r"-?\d{1,15}")  # exact in float64 and in math-verify's comparison
 
 
 def extract_answer(response: str) -> str | None:
@@ -138,6 +148,12 @@ def fallback_equal(gold: str, pred: str) -> bool:
   return g == p
 
 
+def both_integers(gold: str, pred: str) -> bool:
+  """Whether both answers are plain integers (see the module docstring): the fallback's verdict
+  on them is final."""
+  return all("%" not in x and _INTEGER.fullmatch(normalize(x)) for x in (gold, pred))
+
+
 def is_risky(answer: str) -> bool:
   """Whether math-verify could spend unbounded time on `answer` (see the module docstring)."""
   if len(answer) > MAX_VERIFY_CHARS or _RISKY.search(answer):
@@ -145,24 +161,67 @@ def is_risky(answer: str) -> bool:
   return answer.count("^") + answer.count("**") > 1
 
 
+_GRADING = threading.local()  # .depth > 0: this thread is inside a math-verify call of ours
+
+
+class _DropWhileGrading(logging.Filter):
+  """Drops the records math-verify's loggers make inside our calls, on the calling thread."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not getattr(_GRADING, "depth", 0)
+
+
+_DROP = _DropWhileGrading()
+_QUIET_PACKAGES = ("math_verify", "latex2sympy2_extended")
+
+
+@contextlib.contextmanager
+def _grading():
+  _GRADING.depth = getattr(_GRADING, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _GRADING.depth -= 1
+
+
 class _MathVerify:
   """math-verify's `parse` + `verify` on answers wrapped in \\boxed{} (its top-priority target)."""
+
+  CACHE = 4096  # golds / verdicts kept; both caches start over when full
 
   def __init__(self, timeout_s: int):
     import math_verify  # an optional dependency: jaxrl[math]
     self.mv = math_verify
     self.timeout_s = timeout_s
     self._gold: dict[str, Any] = {}
+    self._verdicts: dict[tuple[str, str], bool] = {}
+    # A logger's filter sees the records made on it (not its children's), so each of the
+    # packages' loggers gets one; records made outside our calls pass.
+    for name in list(logging.Logger.manager.loggerDict):
+      if name.split(".")[0] in _QUIET_PACKAGES:
+        logger = logging.getLogger(name)
+        if _DROP not in logger.filters:
+          logger.addFilter(_DROP)
 
   def _parse(self, text: str, timeout):
     return self.mv.parse(f"\\boxed{{{text}}}", parsing_timeout=timeout)
 
   def equal(self, gold: str, pred: str) -> bool:
+    verdict = self._verdicts.get((gold, pred))
+    if verdict is None:
+      with _grading():
+        verdict = self._equal(gold, pred)
+      if len(self._verdicts) >= self.CACHE:
+        self._verdicts.clear()
+      self._verdicts[gold, pred] = verdict
+    return verdict
+
+  def _equal(self, gold: str, pred: str) -> bool:
     # SIGALRM (math-verify's timeout) can only be armed on the main thread.
     timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
     g = self._gold.get(gold)
     if g is None:
-      if len(self._gold) >= 4096:
+      if len(self._gold) >= self.CACHE:
         self._gold.clear()
       g = self._gold[gold] = self._parse(gold, timeout)
     p = self._parse(pred, timeout)
@@ -237,7 +296,7 @@ class MathEnvironment:
   def equal(self, gold: str, pred: str) -> bool:
     if fallback_equal(gold, pred):
       return True
-    if self.verifier is None or is_risky(pred):
+    if self.verifier is None or is_risky(pred) or both_integers(gold, pred):
       return False
     return self.verifier.equal(gold, pred)
 

@@ -3,9 +3,11 @@
 Imports nothing from jaxrl but `types`, so other trainers can use it on their own arrays.
 Each name below is selectable by a config string from a small registry:
 
-- advantages: `ADVANTAGE_ESTIMATORS` (`grpo`, `dr_grpo`, `rloo`) via `compute_advantages`;
-- KL estimators: `KL_ESTIMATORS` (`k1`, `k2`, `k3`, `abs`) via `kl_estimate`;
-- policy losses: `POLICY_LOSSES` (`ppo`, `gspo`, `cispo`, `reinforce`) via `policy_loss`;
+- advantages: `ADVANTAGE_ESTIMATORS` (`grpo`, `grpo_batch_std`, `dr_grpo`, `rloo`) via
+  `compute_advantages`;
+- KL estimators: `KL_ESTIMATORS` (`k1`, `k2`, `k3`, `abs`) via `kl_estimate`, importance-weighted
+  for off-policy samples by `importance_weighted_kl`;
+- policy losses: `POLICY_LOSSES` (`ppo`, `gspo`, `cispo`, `sapo`, `reinforce`) via `policy_loss`;
 - off-policy corrections: `CORRECTIONS` via `combine` (names joined by `+` in configs);
 - reductions: `REDUCTIONS` via `reduce`, each returning `(sum, count)`;
 - the composed objective (`objective`, `ObjectiveConfig`) and mismatch metrics.
@@ -13,14 +15,15 @@ Each name below is selectable by a config string from a small registry:
 
 from jaxrl.losses import stats
 from jaxrl.losses.advantages import (ADVANTAGE_ESTIMATORS, clip_advantages, compute_advantages,
-                                     dr_grpo, grpo, rloo)
+                                     dr_grpo, grpo, grpo_batch_std, rloo)
 from jaxrl.losses.corrections import (CORRECTIONS, WEIGHTING, Correction, CorrectionParams,
                                       combine, correction, parse_correction)
-from jaxrl.losses.kl import KL_ESTIMATORS, kl_estimate
+from jaxrl.losses.kl import (KL_ESTIMATORS, importance_weight, importance_weighted_kl,
+                             kl_estimate)
 from jaxrl.losses.mismatch import mismatch_metrics
 from jaxrl.losses.objective import KL_REDUCTIONS, ObjectiveConfig, global_counts, objective
 from jaxrl.losses.policy import (POLICY_LOSSES, PolicyLoss, cispo, gspo, policy_loss, ppo,
-                                 reinforce)
+                                 reinforce, sapo)
 from jaxrl.losses.reductions import REDUCTIONS, count, reduce
 
 
@@ -33,6 +36,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "KL_ESTIMATORS", "KL_REDUCTIONS", "POLICY_LOSSES",
     "REDUCTIONS", "WEIGHTING", "Correction", "CorrectionParams", "ObjectiveConfig", "PolicyLoss",
     "cispo", "clip_advantages", "combine", "compute_advantages", "correction", "count", "dr_grpo",
-    "global_counts", "grpo", "gspo", "kl_estimate", "mismatch_metrics", "nll", "objective",
-    "parse_correction", "policy_loss", "ppo", "reduce", "reinforce", "rloo", "stats",
+    "global_counts", "grpo", "grpo_batch_std", "gspo", "importance_weight",
+    "importance_weighted_kl", "kl_estimate", "mismatch_metrics", "nll", "objective",
+    "parse_correction", "policy_loss", "ppo", "reduce", "reinforce", "rloo", "sapo", "stats",
 ]

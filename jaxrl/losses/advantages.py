@@ -5,18 +5,31 @@ equal prompts) and `valid [B]` (False for failed or placeholder samples). Statis
 valid members; invalid samples get advantage exactly 0 and their rewards may be NaN/inf.
 No group count is static: ids are densified inside, so any ints work under jit.
 
-| name      | A_i for a valid member of group g with n valid members                     |
-| --------- | -------------------------------------------------------------------------- |
-| `grpo`    | `(r_i - mean_g) / (std_g + eps)`; std with `ddof` (default 0, population)   |
-| `dr_grpo` | `r_i - mean_g` (no std division: Dr. GRPO)                                  |
-| `rloo`    | `r_i - (sum_g - r_i) / (n - 1)`, the leave-one-out mean; 0 when n = 1       |
+| name             | A_i for a valid member of group g with n valid members              |
+| ---------------- | ------------------------------------------------------------------- |
+| `grpo`           | `(r_i - mean_g) / (std_g + eps)`; std with `ddof` (default 0,        |
+|                  | population; 1 = sample std, as TRL)                                  |
+| `grpo_batch_std` | `(r_i - mean_g) / (std_batch + eps)`: the group mean, but the std of |
+|                  | every valid reward of the batch (with `ddof`)                        |
+| `dr_grpo`        | `r_i - mean_g` (no std division: Dr. GRPO)                           |
+| `rloo`           | `r_i - (sum_g - r_i) / (n - 1)`, the leave-one-out mean; 0 when n = 1|
 
 `grpo` gives exactly 0 to a zero-variance group (also with eps = 0, where 0/0 would be NaN) and
-to a group with `n <= ddof` members. `rloo` with G members equals `G / (G - 1)` times
-`dr_grpo`. Clipping (`clip_advantages`) is applied after the estimator.
+to a group with `n <= ddof` members; `grpo_batch_std` gives exactly 0 to a zero-variance group
+and to every sample when the whole batch has no spread (or `<= ddof` valid samples). `rloo` with
+G members equals `G / (G - 1)` times `dr_grpo`. Clipping (`clip_advantages`) is applied after
+the estimator.
+
+TRL's `GRPOConfig.scale_rewards` (trl/trainer/grpo_trainer.py, `_generate_and_score_completions`)
+maps as: `"group"` = `grpo` with `ddof=1`, `"batch"` = `grpo_batch_std` with `ddof=1`, `"none"` =
+`dr_grpo`; TRL's eps is 1e-4 (jaxrl's config default `advantage.eps`) and its `nanstd` is the
+sample (Bessel) std.
 
 References:
 - `grpo`: Shao et al. 2024, DeepSeekMath (section 4.1), https://arxiv.org/abs/2402.03300.
+- `grpo_batch_std`: group-level mean, batch-level std, the "Lite PPO" normalisation of Liu et
+  al. 2025, Tricks or Traps? A Deep Dive into RL for LLM Reasoning,
+  https://arxiv.org/abs/2508.08221 (TRL `scale_rewards="batch"`).
 - `dr_grpo`: Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective,
   https://arxiv.org/abs/2503.20783.
 - `rloo`: Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free! (ICLR 2019
@@ -68,6 +81,33 @@ def grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
   return jnp.where(ok, centred / jnp.where(ok, std + eps, 1.0), 0.0)
 
 
+def grpo_batch_std(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None, *,
+                   eps: float = 1e-6, ddof: int = 0) -> jax.Array:
+  """`A_i = (r_i - mean_g) / (std_batch + eps)`, std_batch over every valid reward of the batch:
+  `sqrt(sum_j (r_j - mean_batch)^2 / (n_batch - ddof))`.
+
+  Golden: groups [1, 0] and [3, 3] (eps 0, ddof 0): group means 1/2 and 3, batch mean 7/4,
+  batch std sqrt((9/16 + 49/16 + 25/16 + 25/16) / 4) = sqrt(108/64) = 1.2990;
+  A = [0.5, -0.5, 0, 0] / 1.2990 = [0.3849, -0.3849, 0, 0] (grpo would give [1, -1, 0, 0]).
+  """
+  r, valid, dense, n, total = _stats(rewards, group_id, valid)
+  mean = total / jnp.maximum(n, 1.0)
+  b = r.shape[0]
+  hi = jax.ops.segment_max(jnp.where(valid, r, -jnp.inf), dense, num_segments=b)[dense]
+  lo = jax.ops.segment_min(jnp.where(valid, r, jnp.inf), dense, num_segments=b)[dense]
+  # Exact 0 for a zero-variance group, as in `grpo` (`r - mean` is a rounding residue there).
+  centred = jnp.where(valid & (hi > lo), r - mean, 0.0)
+  nb = jnp.sum(valid.astype(jnp.float32))
+  mean_b = jnp.sum(r) / jnp.maximum(nb, 1.0)
+  dev = jnp.where(valid, r - mean_b, 0.0)
+  ss = jnp.sum(dev * dev)
+  spread = (jnp.max(jnp.where(valid, r, -jnp.inf)) > jnp.min(jnp.where(valid, r, jnp.inf))) & (
+      ss > 0) & (nb > ddof)
+  # sqrt'(0) is inf: a batch without spread must not put NaN in the gradient.
+  std = jnp.sqrt(jnp.where(spread, ss, 1.0) / jnp.maximum(nb - ddof, 1.0))
+  return jnp.where(spread, centred / jnp.where(spread, std + eps, 1.0), 0.0)
+
+
 def dr_grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
             ) -> jax.Array:
   """`A_i = r_i - mean_g` over valid members (Dr. GRPO: no std normalisation)."""
@@ -97,9 +137,12 @@ def compute_advantages(estimator: str, rewards: jax.Array, group_id: jax.Array,
                        valid: jax.Array | None = None, *, eps: float = 1e-6, ddof: int = 0,
                        clip_low: float | None = None, clip_high: float | None = None
                        ) -> jax.Array:
-  """The estimator named by `estimator` (see the module table), then clipping."""
+  """The estimator named by `estimator` (see the module table), then clipping. `eps` and `ddof`
+  are used by the two std-scaled estimators only."""
   if estimator == "grpo":
     a = grpo(rewards, group_id, valid, eps=eps, ddof=ddof)
+  elif estimator == "grpo_batch_std":
+    a = grpo_batch_std(rewards, group_id, valid, eps=eps, ddof=ddof)
   elif estimator == "dr_grpo":
     a = dr_grpo(rewards, group_id, valid)
   elif estimator == "rloo":

@@ -10,9 +10,17 @@
 batch (`global_counts`), so summing this function over micro-batches gives the full-batch loss
 and gradient exactly, and a padding micro-batch (mask all False) adds exactly 0.
 
-The rollout-KL reduction is `token_mean` or `seq_mean` (= `seq_mean_token_mean`). Metrics come
-back as a `Stats` partial (see `jaxrl.losses.stats`): `loss`, `loss/policy`, `ratio/*`,
-`clip_frac`, `entropy`, `rollout_kl`, `ref_kl`, `mismatch/*` and the corrections' fractions.
+Each KL term's reduction is `token_mean`, `seq_mean` (= `seq_mean_token_mean`) or `policy`: the
+policy term's own `reduction` (with its `norm_len`), so e.g. under Dr. GRPO's constant normaliser
+(`seq_mean_token_sum_norm`) the KL is normalised exactly like the policy term, as TRL does by
+adding `beta * per_token_kl` to the per-token loss before its `loss_type` reduction. With
+`ref_kl_importance_weighted` the reference KL is `w * kl(lp, lp_ref)` (`kl.importance_weighted_kl`,
+TRL's `use_bias_correction_kl`), `w` the policy loss's ratio: `exp(lp - sg(base))` with the same
+base (`ratio_base`), per sequence for `gspo`.
+
+Metrics come back as a `Stats` partial (see `jaxrl.losses.stats`): `loss`, `loss/policy`,
+`ratio/*`, `clip_frac`, `entropy`, `rollout_kl`, `ref_kl` (the weighted value when weighted),
+`mismatch/*` and the corrections' fractions.
 """
 
 from __future__ import annotations
@@ -25,13 +33,13 @@ import jax.numpy as jnp
 from jaxrl.names import KL_REDUCTIONS as KL_REDUCTION_NAMES, check_registry
 from jaxrl.losses import corrections as corr
 from jaxrl.losses import stats as st
-from jaxrl.losses.kl import kl_estimate
+from jaxrl.losses.kl import importance_weighted_kl, kl_estimate
 from jaxrl.losses.mismatch import mismatch_metrics
 from jaxrl.losses.policy import policy_loss
 from jaxrl.losses.reductions import count, reduce
 
-# KL reduction name -> the loss reduction it uses.
-KL_REDUCTIONS = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean"}
+# KL reduction name -> the loss reduction it uses (None: the policy term's, `cfg.reduction`).
+KL_REDUCTIONS = {"token_mean": "token_mean", "seq_mean": "seq_mean_token_mean", "policy": None}
 check_registry("KL_REDUCTIONS", KL_REDUCTION_NAMES, KL_REDUCTIONS)
 
 
@@ -39,7 +47,7 @@ check_registry("KL_REDUCTIONS", KL_REDUCTION_NAMES, KL_REDUCTIONS)
 class ObjectiveConfig:
   """Static settings of the objective (hashable: part of the jitted step's identity)."""
 
-  policy: str = "ppo"  # ppo | gspo | cispo | reinforce
+  policy: str = "ppo"  # ppo | gspo | cispo | sapo | reinforce
   # The ratio's denominator: "trainer" = lp_old (the trainer's recompute before the update);
   # "rollout" = lp_gen (the behaviour policy that sampled the tokens), so with stale rollouts
   # (forced lag) the ratio and its clip span every update since sampling.
@@ -47,16 +55,21 @@ class ObjectiveConfig:
   eps_low: float = 0.2
   eps_high: float = 0.2
   dual_clip: float | None = None  # c > 1 caps the loss of A < 0 tokens at -A c
+  sapo_tau_pos: float = 1.0  # SAPO gate temperature where A > 0 (TRL's / verl's default)
+  sapo_tau_neg: float = 1.05  # ... where A <= 0
   correction: tuple[str, ...] = ()  # names from jaxrl.losses.corrections, applied in order
   correction_params: corr.CorrectionParams = corr.CorrectionParams()
   reduction: str = "token_mean"
   norm_len: int | None = None  # seq_mean_token_sum_norm constant; None = completion length
   rollout_kl_coef: float = 0.0
   rollout_kl_estimator: str = "k2"
-  rollout_kl_reduction: str = "token_mean"  # token_mean | seq_mean
+  rollout_kl_reduction: str = "token_mean"  # token_mean | seq_mean | policy
   ref_kl_coef: float = 0.0
   ref_kl_estimator: str = "k3"
-  ref_kl_reduction: str = "token_mean"
+  ref_kl_reduction: str = "token_mean"  # token_mean | seq_mean | policy
+  # Weight the reference KL by the policy's ratio w = pi / pi_{ratio_base}, with its gradient:
+  # unbiased for off-policy samples (TRL's use_bias_correction_kl).
+  ref_kl_importance_weighted: bool = False
   entropy_coef: float = 0.0
   seq_logprob_error_threshold: float | None = None  # mask rows with E_i above it
 
@@ -68,10 +81,16 @@ class ObjectiveConfig:
             ("loss.ratio_base", self.ratio_base == "rollout"))
     return tuple(key for key, on in uses if on)
 
+  def kl_reduction(self, name: str) -> str:
+    """The loss reduction a KL term with reduction `name` uses ("policy" = `self.reduction`)."""
+    if name not in KL_REDUCTIONS:
+      raise ValueError(f"unknown KL reduction {name!r}; expected one of {KL_REDUCTION_NAMES}")
+    return KL_REDUCTIONS[name] or self.reduction
+
   def reductions(self) -> tuple[str, ...]:
     """Every reduction whose global count the objective divides by."""
-    return tuple(sorted({self.reduction, KL_REDUCTIONS[self.rollout_kl_reduction],
-                         KL_REDUCTIONS[self.ref_kl_reduction]}))
+    return tuple(sorted({self.reduction, self.kl_reduction(self.rollout_kl_reduction),
+                         self.kl_reduction(self.ref_kl_reduction)}))
 
 
 def global_counts(cfg: ObjectiveConfig, mask: jax.Array) -> dict[str, jax.Array]:
@@ -100,6 +119,8 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
     raise ValueError("entropy_coef != 0 needs the per-token entropy")
 
   kw = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+  if cfg.policy == "sapo":
+    kw.update(tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
   if cfg.ratio_base not in ("trainer", "rollout"):
     raise ValueError(f"unknown ratio_base {cfg.ratio_base!r}; expected 'trainer' or 'rollout'")
   ratio_base = lp_gen if cfg.ratio_base == "rollout" else lp_old
@@ -127,13 +148,19 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
   maxes = {"ratio/max": st.masked_max(pol.ratio, mask)}
   mins = {"ratio/min": st.masked_min(pol.ratio, mask)}
   kl_terms = (("rollout_kl", lp_gen, cfg.rollout_kl_estimator, cfg.rollout_kl_reduction,
-               cfg.rollout_kl_coef),
-              ("ref_kl", lp_ref, cfg.ref_kl_estimator, cfg.ref_kl_reduction, cfg.ref_kl_coef))
-  for name, base, estimator, reduction, coef in kl_terms:
+               cfg.rollout_kl_coef, False),
+              ("ref_kl", lp_ref, cfg.ref_kl_estimator, cfg.ref_kl_reduction, cfg.ref_kl_coef,
+               cfg.ref_kl_importance_weighted))
+  for name, base, estimator, reduction, coef, weighted in kl_terms:
     if base is None:
       continue
-    red = KL_REDUCTIONS[reduction]
-    kl_sum, kl_n = reduce(red, kl_estimate(lp, base, estimator, mask), mask)
+    red = cfg.kl_reduction(reduction)
+    if weighted:
+      level = "sequence" if cfg.policy == "gspo" else "token"
+      kl = importance_weighted_kl(lp, base, ratio_base, estimator, mask, level=level)
+    else:
+      kl = kl_estimate(lp, base, estimator, mask)
+    kl_sum, kl_n = reduce(red, kl, mask, cfg.norm_len)
     means[name] = (kl_sum, kl_n)
     if coef != 0:
       loss = loss + coef * div(kl_sum, red)

@@ -14,11 +14,22 @@ of per-token arrays; a reduction (`jaxrl.losses.reductions`) turns the loss into
 |             | shared by every token of row i (pair it with a sequence-mean reduction)     |
 | `cispo`     | `-A sg(clip(r)) lp`: the clipped ratio only weights the REINFORCE gradient,  |
 |             | so clipped tokens still get a gradient                                      |
+| `sapo`      | `-A f_tau(r)`, `f_tau(r) = (4 / tau) sigmoid(tau (r - 1))`, `tau = tau_pos`  |
+|             | where `A > 0` else `tau_neg`: a smooth gate in place of the hard clip        |
 | `reinforce` | `-A lp`                                                                      |
 
-With one update per batch (`lp_old = sg(lp)`), `r = 1` and `ppo`, `gspo` and `reinforce` all
-have the gradient `-A grad lp`. Values at masked positions are sanitised with `where`, so a NaN
-in a masked `lp_old` never reaches a value or a gradient.
+With one update per batch (`lp_old = sg(lp)`), `r = 1` and `ppo`, `gspo`, `cispo`, `sapo` and
+`reinforce` all have the gradient `-A grad lp` (SAPO: `f_tau'(1) = 4 sigmoid'(0) = 1`). Values at
+masked positions are sanitised with `where`, so a NaN in a masked `lp_old` never reaches a value
+or a gradient.
+
+CISPO's clip keys: jaxrl clips the detached weight to `[1 - eps_low, 1 + eps_high]`, the
+paper's `clip(r, 1 - eps_low^IS, 1 + eps_high^IS)` (MiniMax-M1, eq. 5) with the same names as
+verl's `clip_ratio_low` / `clip_ratio_high`. MiniMax-M1 sets no lower bound in practice and tunes
+only `eps_high^IS`: `eps_low = 1` here (the weight `r > 0` is then never clipped below). TRL's
+`loss_type="cispo"` clamps `min(r, epsilon_high)` with no lower bound, so its `epsilon_high` is an
+upper bound on the *ratio* (ScaleRL's `eps_max`, recommended 5.0): TRL `epsilon_high = E` is
+jaxrl `eps_low = 1, eps_high = E - 1` (e.g. 1.0 and 4.0 for E = 5).
 
 References:
 - `ppo`: Schulman et al. 2017, Proximal Policy Optimization Algorithms,
@@ -28,6 +39,13 @@ References:
 - `gspo`: Zheng et al. 2025, Group Sequence Policy Optimization,
   https://arxiv.org/abs/2507.18071.
 - `cispo`: MiniMax 2025, MiniMax-M1 (section 3), https://arxiv.org/abs/2506.13585.
+- `sapo`: Gao et al. (Qwen team) 2025, Soft Adaptive Policy Optimization,
+  https://arxiv.org/abs/2511.20347 (the token gate `f_{i,t}` and the advantage-sign temperature;
+  defaults `tau_pos = 1.0`, `tau_neg = 1.05` are TRL's `sapo_temperature_pos/neg` and verl's
+  `tau_pos/tau_neg`, both citing the paper; `tau_neg > tau_pos` damps negative-advantage updates
+  faster, the side the paper argues is less stable). Same formula as TRL
+  (trl/trainer/grpo_trainer.py `_compute_loss`, `loss_type == "sapo"`) and verl
+  (verl/trainer/ppo/core_algos.py `compute_policy_loss_sapo`).
 - `reinforce`: Williams 1992, Simple statistical gradient-following algorithms for connectionist
   reinforcement learning, Machine Learning 8.
 """
@@ -104,7 +122,8 @@ def gspo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
 def cispo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
           eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
           ) -> PolicyLoss:
-  """CISPO: `-A sg(clip(r, 1 - eps_low, 1 + eps_high)) lp` (no dual clip)."""
+  """CISPO: `-A sg(clip(r, 1 - eps_low, 1 + eps_high)) lp` (no dual clip); for the mapping of
+  `eps_low` / `eps_high` to MiniMax's, TRL's and verl's parameters see the module docstring."""
   if dual_clip is not None:
     raise ValueError("cispo does not take a dual clip")
   a = _broadcast_adv(adv, lp)
@@ -114,6 +133,29 @@ def cispo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
   clipped = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
   return PolicyLoss(jnp.where(mask, -a * weight * lp_safe, 0.0), jnp.where(mask, ratio, 1.0),
                     jnp.where(mask, clipped, False).astype(jnp.float32))
+
+
+def sapo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
+         tau_pos: float = 1.0, tau_neg: float = 1.05, eps_low: float = 0.2, eps_high: float = 0.2,
+         dual_clip: float | None = None) -> PolicyLoss:
+  """SAPO: `-A (4 / tau) sigmoid(tau (r - 1))`, `tau = tau_pos` where `A > 0` else `tau_neg`.
+
+  `d loss / d lp = -A 4 s (1 - s) r` with `s = sigmoid(tau (r - 1))`: `-A` at `r = 1`, decaying
+  smoothly (never to exactly 0, unlike the hard clip) as r leaves 1; a larger tau narrows the
+  trust region. The log-ratio is clamped to [-20, 20] inside the gate as verl does (the gate is
+  flat there; it keeps `r` finite). `eps_low` / `eps_high` are unused (no clip: `clipped` is 0).
+  Golden (tau 1): `A = 1, r = 2`: loss `-4 sigmoid(1) = -2.9242`, gradient
+  `-4 * 0.7311 * 0.2689 * 2 = -1.5729`.
+  """
+  del eps_low, eps_high
+  if dual_clip is not None:
+    raise ValueError("sapo does not take a dual clip")
+  a = jnp.where(mask, _broadcast_adv(adv, lp), 0.0)
+  log_ratio = _log_ratio(lp, lp_old, mask)
+  tau = jnp.where(a > 0, tau_pos, tau_neg).astype(log_ratio.dtype)
+  gate = jax.nn.sigmoid(tau * (jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)) - 1.0)) * (4.0 / tau)
+  return PolicyLoss(jnp.where(mask, -a * gate, 0.0), jnp.where(mask, jnp.exp(log_ratio), 1.0),
+                    jnp.zeros(log_ratio.shape, jnp.float32))
 
 
 def reinforce(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
@@ -126,7 +168,7 @@ def reinforce(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array,
   return PolicyLoss(loss, jnp.ones_like(loss), jnp.zeros_like(loss))
 
 
-POLICIES = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "reinforce": reinforce}
+POLICIES = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "sapo": sapo, "reinforce": reinforce}
 check_registry("POLICY_LOSSES", POLICY_LOSSES, POLICIES)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl import names
-from jaxrl.parallel.sharding import constrain_rows
+from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 # Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to
 # a harmless uniform row instead of NaN.
@@ -130,7 +130,9 @@ class KVCache(NamedTuple):
   # kv-head-major, keys slot-minor [B, K, Dh, S], values slot-major [B, K, S, Dh]: a
   # single-token query then multiplies [G, Dh] x [Dh, S] and [G, S] x [S, Dh], both over
   # contiguous rows with no transposed operand. Stacked [L, ...] when layers are scanned, a tuple
-  # of L arrays when unrolled.
+  # of L arrays when unrolled. On a mesh, rows go over the batch axes and kv heads over 'tensor'
+  # (`parallel.sharding.constrain_kv_cache`): the sampler and the engine pin it so for the mesh
+  # of their params, the model for the mesh it is traced under (the train step's).
   k: jax.Array | tuple[jax.Array, ...]
   v: jax.Array | tuple[jax.Array, ...]
   valid: jax.Array  # [B, S] bool
@@ -290,6 +292,10 @@ class Transformer(nnx.Module):
     B, T = tokens.shape
     x = constrain_rows(self.embed[...].astype(dt)[tokens])
 
+    if cache is not None:
+      # Under a training mesh the cache is split like the rows that fill it (a no-op otherwise;
+      # the samplers pin theirs for their own mesh).
+      cache = constrain_kv_cache(cache)
     if cache is None:
       key_valid = valid  # [B, S=T]
       q_slot = jnp.arange(T)
@@ -423,6 +429,8 @@ class Transformer(nnx.Module):
       (x, k_cache, v_cache), _ = jax.lax.scan(body, init, (stacked, jnp.arange(cfg.num_layers)))
       if cache is not None:
         new_cache = KVCache(k_cache, v_cache, key_valid)
+    if new_cache is not None:
+      new_cache = constrain_kv_cache(new_cache)
     return rms_norm(x, self.final_norm[...].astype(dt), cfg.rms_eps), new_cache
 
   def unembedding(self) -> jax.Array:

@@ -17,11 +17,15 @@ How the processes find each other, first match wins:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 class EnvError(ValueError):
@@ -267,3 +271,56 @@ def fetch(tree):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(leaf, tree)
+
+
+# --- colocated rollouts on several processes ----------------------------------------------------
+#
+# A rollout thread may launch only programs on its own process's devices: its timing then cannot
+# reorder the programs every process must launch in one order (those are the trainer thread's).
+# These helpers are the trainer thread's side of that contract: a process-local rollout mesh,
+# params published to it as a local copy, and host metadata gathered from every process.
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+  """The rollout mesh of this process: its own devices of `mesh`, rows over 'data' (one shard per
+  device), params replicated ('fsdp' and 'tensor' of size 1). Programs on it never involve
+  another process."""
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  return Mesh(np.asarray(mine, dtype=object).reshape(len(mine), 1, 1), mesh.axis_names)
+
+
+@functools.lru_cache(maxsize=16)
+def _replicate(mesh: Mesh):
+  # jnp.copy, not an identity: jit forwards an unchanged input to its output, and the published
+  # copy must never be a buffer the train step donates.
+  return jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def publish_local(params, mesh: Mesh, local: Mesh):
+  """A copy of `params` (on the global `mesh`) replicated over the process-local mesh `local`.
+
+  One global program (a jitted copy to a fully replicated sharding of `mesh`: an all-gather of
+  whatever 'fsdp'/'tensor' split), which every process must launch at the same point, then each
+  process wraps its own devices' buffers of that copy as arrays of `local` (no transfer)."""
+  full = _replicate(mesh)(params)
+  on = NamedSharding(local, PartitionSpec())
+  order = list(local.devices.flat)
+
+  def leaf(x):
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(x.shape, on, [by_device[d] for d in order])
+
+  return jax.tree.map(leaf, full)
+
+
+def allgather_json(value) -> list:
+  """Every process's `value` (JSON-able; floats round-trip exactly, NaN included), in process
+  order. Two small collectives: every process must call it at the same point of the program."""
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
+  sizes = sizes.reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  got = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(got, sizes.tolist())]

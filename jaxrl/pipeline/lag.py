@@ -2,8 +2,8 @@
 by the tests.
 
 It owns the submission gate (`LagGate`, L+1 slots), the params handoff (`ParamsHandoff`), the
-rollout worker (a supervised thread, or inline in the caller's thread, as several processes need),
-publishing, pruning and checkpoint state. A training loop is
+rollout worker (a supervised thread, or inline in the caller's thread), publishing, pruning and
+checkpoint state. A training loop is
 
     with LagPipeline(producer, lag) as pipe:
       pipe.publish(0, params)
@@ -23,6 +23,13 @@ also has `state_dict()`/`load_state_dict(host)` (its RNG and counters) and is th
 item`. `state_dict()` first waits until the ring is full and the worker idle (`LagGate.quiesce`),
 so a checkpoint holds every batch already made for later steps and nothing is produced twice
 after a resume.
+
+Several processes: a producer with `globalize(item) -> item` makes process-local items (each
+process its share of the batch, on its own devices; `jaxrl.pipeline.producer`). The worker thread
+then never launches a program that spans processes; everything global is the caller's thread's,
+in the same order on every process: `publish` (the `prepare` copy onto each process's rollout
+mesh), and `globalize` of each batch when it is pulled (or, for a checkpoint, in `state_dict`,
+in batch order). Counters a globalized item carries are added when it is globalized.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class LagPipeline:
     self.prepare = prepare or (lambda params: params)
     self.worker = InlineWorker(self.gate, self.handoff, produce, lag) if inline else \
         RolloutWorker(self.gate, self.handoff, produce, lag, name=name)
+    self._globalized: dict[int, object] = {}  # by batch id: made global before their pull
 
   # ---- running -------------------------------------------------------------------------------
 
@@ -87,9 +95,24 @@ class LagPipeline:
     if self.inline:
       self.worker.catch_up()
     batch_id, item = self.gate.pull()
+    item = self._globalize(batch_id, item)
     # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
     self.handoff.prune_below(max(0, batch_id + 1 - self.lag))
     return batch_id, item
+
+  def _globalize(self, batch_id: int, item):
+    """`producer.globalize(item)` once per batch (caller's thread); its counters are added."""
+    done = self._globalized.pop(batch_id, None)
+    if done is not None:
+      return done
+    globalize = getattr(self.producer, "globalize", None)
+    if globalize is None:
+      return item
+    out = globalize(item)
+    if out is not item:
+      for name, n in (getattr(out, "counts", None) or {}).items():
+        self.gate.add(name, n)
+    return out
 
   def newest(self) -> tuple[int, object] | None:
     """The newest published `(version, params)`: the source of partial rollouts."""
@@ -107,7 +130,8 @@ class LagPipeline:
     `rollout.stall_timeout_s`) for the ring to fill first."""
     items = self.gate.quiesce(self.gate.stall_timeout_s)
     arrays, ring = {}, {}
-    for bid, item in items.items():
+    for bid in sorted(items):  # globalize: the same order on every process
+      item = self._globalized[bid] = self._globalize(bid, items[bid])
       arrays[str(bid)], ring[str(bid)] = self.producer.encode(item)
     return arrays, {**self.producer.state_dict(), "gate": self.gate.checkpoint_state(),
                     "ring": ring}

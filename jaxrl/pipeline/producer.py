@@ -9,6 +9,16 @@ does not depend on timing.
 
 The producer is also the ring's codec for checkpoints: `encode` turns a delivered item into device
 arrays and JSON, `target` gives the arrays' shapes to restore into, `decode` puts them back.
+
+Several processes (`ProcessShare`, from `process_share`): each process's worker makes only its
+share of every batch, the groups whose rows its devices hold in the train mesh (groups never span
+processes), on a process-local rollout mesh, so the worker thread launches no program that
+involves another process. Every process draws the same P prompts from the same stream and keeps
+its slice; request ids (hence sampling keys) and group ids are the ones a one-process run gives
+those rows, so the rows get the same tokens. Its item carries the rows on the host
+(`LocalRows`); `globalize`, run by the trainer thread in batch order on every process, gathers
+the metadata of every process's rows and assembles the global train batch
+(`jax.make_array_from_process_local_data` over the train mesh's row sharding).
 """
 
 from __future__ import annotations
@@ -17,8 +27,10 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl import checkpoint
+from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.loop_state import from_json_num, json_num
@@ -41,6 +53,72 @@ def train_fields(cfg) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessShare:
+  """What this process makes of every training batch on several processes (see the module
+  docstring): groups [first_group, first_group + num_groups) of the batch's P, which are rows
+  [first_group * G, ...) of the train mesh's row sharding, held by `row_shards` of its shards;
+  `starts[q]` is process q's first row (the order the gathered rows are joined in). Rollouts run
+  on `mesh`, this process's own devices; params reach it through `publish` (trainer thread)."""
+  process: int
+  first_group: int
+  num_groups: int
+  row_shards: int
+  starts: tuple[int, ...]
+  train_mesh: Mesh
+  mesh: Mesh
+
+  def publish(self, params):
+    """A copy of the train params on this process's rollout mesh: a global program, so the
+    trainer thread calls it at the same point on every process."""
+    return parallel.distributed.publish_local(params, self.train_mesh, self.mesh)
+
+
+def process_share(parts) -> ProcessShare | None:
+  """This process's share of every batch, or None where rollouts cannot be split by process:
+  one process; a disaggregated rollout mesh; dynamic sampling (its decisions and metrics span the
+  whole batch); or a train mesh whose row shards do not give each process one run of whole groups
+  of its own (e.g. rows replicated over a 'tensor' axis that spans processes). None means the
+  worker makes whole batches inline, on the trainer thread (`InlineWorker`)."""
+  if jax.process_count() == 1 or parts.rollout_mesh is not parts.mesh \
+      or parts.cfg.dynamic_sampling.enabled:
+    return None
+  G = parts.cfg.rollout.group_size
+  n = parts.cfg.rollout.num_prompts * G
+  boxes: dict[int, set] = {}
+  for dev, idx in parallel.batch_sharding(parts.mesh).devices_indices_map((n,)).items():
+    boxes.setdefault(dev.process_index, set()).add(idx[0].indices(n)[:2])
+  spans = {}
+  for q, got in boxes.items():
+    merged: list[list[int]] = []
+    for a, b in sorted(got):
+      if merged and merged[-1][1] == a:
+        merged[-1][1] = b
+      elif not (merged and merged[-1] == [a, b]):
+        merged.append([a, b])
+    if len(merged) != 1 or merged[0][0] % G or merged[0][1] % G:
+      return None
+    spans[q] = tuple(merged[0])
+  ordered = sorted(spans.values())
+  if ordered[0][0] != 0 or ordered[-1][1] != n or \
+      any(x[1] != y[0] for x, y in zip(ordered, ordered[1:])):
+    return None
+  me = jax.process_index()
+  a, b = spans[me]
+  return ProcessShare(me, a // G, (b - a) // G, len(boxes[me]),
+                      tuple(spans[q][0] for q in range(jax.process_count())), parts.mesh,
+                      parallel.distributed.local_mesh(parts.mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRows:
+  """This process's rows of a batch before `globalize`: host arrays by data-plane field (in its
+  length-balanced order), the reward-component sums behind the batch's means, and its counters."""
+  arrays: dict
+  sums: dict
+  counts: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class RingItem:
   """What crosses the lag ring for one batch: its rows' metadata (the arrays stay in the data
   plane), the params version it was sampled with, its sampling time, its metrics (`info`: env
@@ -51,6 +129,7 @@ class RingItem:
   sample_time_s: float
   info: dict
   counts: dict = dataclasses.field(default_factory=dict)
+  local: LocalRows | None = None  # several processes: `meta` is this process's rows only
 
 
 class RolloutProducer:
@@ -59,9 +138,9 @@ class RolloutProducer:
   `parts` is the run's `Parts`, `loop` the training multi-turn loop.
   """
 
-  def __init__(self, parts, loop):
+  def __init__(self, parts, loop, share: ProcessShare | None = None):
     cfg = parts.cfg
-    self.parts, self.loop = parts, loop
+    self.parts, self.loop, self.share = parts, loop, share
     self.r, self.ds = cfg.rollout, cfg.dynamic_sampling
     self.fields = train_fields(cfg) + ("policy_version",)  # what a checkpoint keeps of a batch
     self.rng = np.random.default_rng([cfg.seed, 2])
@@ -125,13 +204,15 @@ class RolloutProducer:
     the tag dynamic sampling and metrics read; the device field has 0 there (the row is out of
     the loss and the advantages anyway: its loss mask is empty).
     """
-    dp, G = self.parts.data, self.r.group_size
+    dp, G, share = self.parts.data, self.r.group_size, self.share
     n = len(ep.rewards)
-    groups = self.next_group + np.arange(n // G)
-    self.next_group += n // G
+    first = 0 if share is None else share.first_group
+    groups = self.next_group + first + np.arange(n // G)
+    self.next_group += n // G if share is None else self.r.num_prompts
     versions = row_versions(ep.policy_version, ep.mask)
-    meta = BatchMeta.mint(
-        "train", prefix, group_ids=np.repeat(groups, G), lengths=ep.mask.sum(1),
+    meta = BatchMeta(
+        "train", tuple(f"{prefix}/{first * G + i}" for i in range(n)),
+        group_ids=np.repeat(groups, G), lengths=ep.mask.sum(1),
         versions=np.nan_to_num(versions["first"]).astype(np.int64),
         tags={"reward": ep.rewards,
               **{k: getattr(ep, k).astype(np.float32) for k in HOST_ROWS},
@@ -145,10 +226,29 @@ class RolloutProducer:
     arrays = {k: v for k, v in batch._asdict().items() if v is not None}
     arrays["policy_version"] = ep.policy_version
     if place:
-      perm, _ = balance_rows(meta.lengths, dp.num_row_shards())
+      perm = self._placement(meta, dp.num_row_shards() if share is None else share.row_shards)
       meta = meta.subset(perm)
       arrays = {k: v[perm] for k, v in arrays.items()}
+    if share is not None:
+      return meta, arrays  # placed by `globalize`, on the trainer thread
     return dp.put(meta, arrays)
+
+  def _placement(self, meta: BatchMeta, shards: int) -> np.ndarray:
+    """The row order a batch is stored in over `shards` data shards: length-balanced rows; with
+    `train.share_prompts` (the step runs each group's prompt once and needs its G rows next to
+    each other) whole groups balanced by their tokens, or, where the shards do not split the
+    groups evenly, the groups as generated."""
+    G = self.r.group_size
+    if not config_lib.shared_prompts(self.parts.cfg):
+      return balance_rows(meta.lengths, shards)[0]
+    n = len(meta)
+    ids = meta.group_ids.reshape(n // G, G) if n % G == 0 else None
+    if ids is None or not (ids == ids[:, :1]).all():
+      return balance_rows(meta.lengths, shards)[0]  # not in whole groups: nothing to keep
+    if (n // G) % shards:
+      return np.arange(n)
+    by_group, _ = balance_rows(meta.lengths.reshape(n // G, G).sum(1), shards)
+    return (by_group[:, None] * G + np.arange(G)).reshape(-1)
 
   def produce(self, batch_id: int, params, version: int) -> RingItem:
     """One training batch (P whole groups) with params `version`."""
@@ -158,6 +258,17 @@ class RolloutProducer:
     key = jax.random.fold_in(self.key, step)
     source = self.parts.source
     tasks = source.sample(self.rng, P)
+    # Request ids of row p*G + g of the whole batch: step*P*G + p*G + g on any process layout.
+    request_base, regen_rng = step * P * G, self.rng
+    share = self.share
+    if share is not None:
+      # The same P prompts on every process (one stream); this process keeps its groups. Groups
+      # regenerated here draw from a stream of this batch and process: the main stream must stay
+      # the same on every process.
+      tasks = tasks[share.first_group:share.first_group + share.num_groups]
+      request_base += share.first_group * G
+      regen_rng = np.random.default_rng([self.parts.cfg.seed, 3, batch_id, share.process])
+      P = share.num_groups
     info: dict = {}
     sums: dict = {}
     counts = {"regenerated": 0, "filtered": 0}
@@ -173,8 +284,7 @@ class RolloutProducer:
           generate, num_groups=P, max_gen_batches=ds.max_gen_batches, tol=ds.tol,
           reward_field=ds.reward_field, discard=self.parts.data.discard)
       info.update(ds_info)
-      perm, _ = balance_rows(meta.lengths, self.parts.data.num_row_shards())
-      meta = meta.subset(perm)
+      meta = meta.subset(self._placement(meta, self.parts.data.num_row_shards()))
       counts["filtered"] = info["dynamic_sampling/dropped_groups"]
     else:
       # One generation; a filtered group is re-sampled into its own slot (lag > 0 dynamic
@@ -185,9 +295,9 @@ class RolloutProducer:
         k = key
         if attempt:
           for s in slots:
-            tasks[s] = source.sample(self.rng, 1)[0]
+            tasks[s] = source.sample(regen_rng, 1)[0]
           k = jax.random.fold_in(key, attempt)
-        ep = self._sample(params, tasks, k, step * P * G, version, info, sums)
+        ep = self._sample(params, tasks, k, request_base, version, info, sums)
         return [ep.select(slice(s * G, (s + 1) * G)) for s in slots]
 
       def keep(group: Episodes) -> bool:
@@ -205,10 +315,53 @@ class RolloutProducer:
       counts = {name: got[name] for name in ("regenerated", "filtered")}
       ep = Episodes.concat(groups)
       meta = self._store(f"b{batch_id}", ep, place=True)
+      if share is not None:
+        meta, arrays = meta
+        return RingItem(meta, version, st(), info,
+                        local=LocalRows(arrays, sums, counts))
       if ds.enabled:  # regeneration never over-generates: nothing valid is discarded
         info.update(dynamic_sampling.batch_metrics(
             np.concatenate(seen), ep.rewards, attempts=got["attempts"],
             dropped=got["filtered"], discarded=0))
-    # Reward components and numeric env metadata: means over the rows generated for the batch.
-    info.update({k: s / n if n else float("nan") for k, (s, n) in sums.items()})
+    info.update(_means(sums))
     return RingItem(meta, version, st(), info, counts)
+
+  def globalize(self, item: RingItem) -> RingItem:
+    """The whole batch of a process-local `item` (several processes; others are returned as they
+    are): every process's rows' metadata, counters and reward sums gathered, its own rows placed
+    in the data plane as its part of the global arrays. Launches global programs: the trainer
+    thread calls it for every batch, in batch order, on every process.
+
+    `env/calls` is the most any process made (each process calls each task's environment once per
+    turn with its rows, as one process does with all of them; the calls of different processes
+    run in parallel); `env/failed/*` and the counters add up."""
+    if item.local is None:
+      return item
+    mine = {"meta": item.meta.to_json(), "time": item.sample_time_s,
+            "info": {k: json_num(v) for k, v in item.info.items()},
+            "sums": item.local.sums, "counts": item.local.counts}
+    every = parallel.distributed.allgather_json(mine)
+    every = [every[q] for q in sorted(range(len(every)), key=lambda q: self.share.starts[q])]
+    metas = [BatchMeta.from_json(e["meta"]) for e in every]
+    meta = metas[0].concat(*metas[1:])
+    info: dict = {}
+    sums: dict = {}
+    counts: dict = {}
+    for e in every:
+      for k, v in e["info"].items():
+        v = from_json_num(v)
+        info[k] = max(info.get(k, v), v) if k == "env/calls" else info.get(k, 0) + v
+      for k, (s, n) in e["sums"].items():
+        got = sums.setdefault(k, [0.0, 0])
+        got[0] += s
+        got[1] += n
+      for k, n in e["counts"].items():
+        counts[k] = counts.get(k, 0) + n
+    info.update(_means(sums))
+    self.parts.data.put(meta, item.local.arrays, rows="local")
+    return RingItem(meta, item.submit_version, max(e["time"] for e in every), info, counts)
+
+
+def _means(sums: dict) -> dict:
+  """Reward components and numeric env metadata: means over the rows generated for the batch."""
+  return {k: s / n if n else float("nan") for k, (s, n) in sums.items()}

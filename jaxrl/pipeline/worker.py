@@ -9,8 +9,9 @@ interruptible (poll `worker.should_stop()` in long waits) for stop to be prompt.
 `InlineWorker` runs the same loop in the trainer's thread instead, producing, just before each
 pull, exactly the batches the threaded worker would have started by then, with the same params
 versions: the same batches and the same staleness, with device work launched in one fixed
-order. Several processes need that (every process must launch the same computations in the same
-order), so multi-process runs use it at any lag.
+order. Several processes use it only where a batch cannot be split by process
+(`jaxrl.pipeline.producer.process_share` is None): otherwise each process's thread makes its own
+share on its own devices, and only the trainer thread launches programs that span processes.
 """
 
 from __future__ import annotations

@@ -35,6 +35,14 @@ with `fold_in(fold_in(key, r), t)`, log-probs are `log_softmax(logits / T)` over
 vocabulary. The same key and request ids therefore give the same tokens as the static sampler,
 whatever the slot a request lands in or when it is admitted.
 
+On a mesh (the one the params are placed on: the rollout mesh, or the train mesh when colocated)
+every program pins the KV caches it returns: the decode state's slots over 'data' and kv heads over
+'tensor', the prefix pool's and a prefix's kv heads over 'tensor' (their rows stay whole: an
+insert then reads its pool row on every device); see `parallel.sharding.constrain_kv_cache`.
+Slot counts or heads the axes do not divide stay replicated. The jitted functions take it as a
+static `mesh=None` keyword; `Engine` passes the mesh of the params it is given. Placement only:
+the tokens are the same.
+
 `Engine.run` is the host-side driver (`scheduler.Scheduler`): it keeps every slot busy, streams
 finished groups to `on_finish`, and returns rows in request order in the sampler's format plus
 per-token versions. It drives batched versions of the same computations (`make_driver_fns`):
@@ -68,6 +76,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models.transformer import KVCache
+from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache, mesh_of
 from jaxrl.rollout.sampler import eos_tuple, is_eos, pick_tokens
 from jaxrl.rollout.scheduler import EngineOutput, Requests, Scheduler
 
@@ -156,6 +165,14 @@ def _scatter(state: DecodeState, sub: DecodeState, idx: jax.Array) -> DecodeStat
                            for f in _DECODED})
 
 
+def _place(cache: KVCache, mesh, rows: bool = True) -> KVCache:
+  """`cache` pinned on `mesh` (None: as it is): slots over 'data' (`rows`, else whole) and kv heads
+  over 'tensor'."""
+  if mesh is None:
+    return cache
+  return constrain_kv_cache(cache, mesh, ROLLOUT_ROW_AXES if rows else ())
+
+
 def _decode_slots(model, layers, tok, pos, live, cache):
   """One token per slot, each at its own position and cache index -> (logits [B, V], cache).
 
@@ -182,25 +199,26 @@ class _Core:
     self.S = max_prompt_len + max_new_tokens
     self.eos_ids, self.pad_id = eos_tuple(eos_ids, "make_engine_fns"), pad_id
 
-  def prefill(self, model, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+  def prefill(self, model, tokens: jax.Array, true_length: jax.Array, mesh=None) -> Prefix:
     # Right padding: the real tokens sit at cache slots and positions 0..len-1, as in a slot.
     T = tokens.shape[0]
     valid = jnp.arange(T) < true_length
-    cache = KVCache.zeros(model.cfg, 1, T)
+    cache = _place(KVCache.zeros(model.cfg, 1, T), mesh, rows=False)
     hidden, cache = model(tokens[None], jnp.arange(T)[None], valid[None], cache, 0)
     logits = model.logits(jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, 0, False))
-    return Prefix(cache, tokens, jnp.asarray(true_length, jnp.int32), logits)
+    return Prefix(_place(cache, mesh, rows=False), tokens, jnp.asarray(true_length, jnp.int32),
+                  logits)
 
   def insert(self, prefix: Prefix, state: DecodeState, slot, request_id, key, temperature, top_k,
-             top_p, version) -> DecodeState:
+             top_p, version, mesh=None) -> DecodeState:
     S, N, pad_id = self.S, self.N, self.pad_id
     put = lambda buf, row: _put_row(buf, row, slot)
     in_prompt = jnp.arange(S) < prefix.length
     # The prefix's stale tail (bucket padding) and the slot's previous request stay in the
     # cache but are masked: only [0, length) is valid.
-    cache = KVCache(jax.tree.map(put, state.cache.k, prefix.cache.k),
-                    jax.tree.map(put, state.cache.v, prefix.cache.v),
-                    put(state.cache.valid, in_prompt[None]))
+    cache = _place(KVCache(jax.tree.map(put, state.cache.k, prefix.cache.k),
+                           jax.tree.map(put, state.cache.v, prefix.cache.v),
+                           put(state.cache.valid, in_prompt[None])), mesh)
     prompt = jnp.zeros((S,), jnp.int32).at[:prefix.tokens.shape[0]].set(prefix.tokens)
     seq = put(state.seq, jnp.where(in_prompt, prompt, pad_id)[None])
     request_key = jax.random.fold_in(key, request_id)
@@ -217,17 +235,18 @@ class _Core:
         logprobs=set_(state.logprobs, jnp.where(first, lp[0], 0.0)),
         versions=set_(state.versions, jnp.where(first, version, -1)))
 
-  def decode(self, model, layers, states: tuple[DecodeState, ...], version, steps
+  def decode(self, model, layers, states: tuple[DecodeState, ...], version, steps, mesh=None
              ) -> tuple[DecodeState, ...]:
     """Up to `steps` decode steps of every slot of each state in `states` (any number of
     slots, any cache length that holds the live slots' positions), all in one loop that stops
-    early once every slot is done."""
+    early once every slot is done. Each state's cache is pinned on `mesh` in the loop carry."""
     N = self.N
 
     def one(s: DecodeState) -> DecodeState:
       live = ~s.done
       # Done slots still run (fixed shapes) but feed an invalid token and record nothing.
       logits, cache = _decode_slots(model, layers, s.last, s.pos, live, s.cache)
+      cache = _place(cache, mesh)
       tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p)
       fed = (jnp.arange(s.seq.shape[1])[None, :] == s.pos[:, None]) & live[:, None]
       new = (jnp.arange(N)[None, :] == s.count[:, None]) & live[:, None]
@@ -241,8 +260,9 @@ class _Core:
           versions=jnp.where(new, version, s.versions))
 
     going = lambda c: (c[0] < steps) & ~jnp.all(jnp.concatenate([s.done for s in c[1]]))
+    states = tuple(s._replace(cache=_place(s.cache, mesh)) for s in states)
     _, states = jax.lax.while_loop(going, lambda c: (c[0] + 1, tuple(map(one, c[1]))),
-                                   (jnp.int32(0), tuple(states)))
+                                   (jnp.int32(0), states))
     return states
 
   def model(self, params):
@@ -260,47 +280,50 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
                max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
   B, N, S = core.B, core.N, core.S
 
-  @jax.jit
-  def init_decode_state(params) -> DecodeState:
-    """All slots empty (done). `params` only supplies the model config (shapes of the cache)."""
+  @functools.partial(jax.jit, static_argnames=("mesh",))
+  def init_decode_state(params, mesh=None) -> DecodeState:
+    """All slots empty (done). `params` only supplies the model config (shapes of the cache);
+    `mesh` splits the cache (see the module docstring)."""
     cfg = nnx.merge(graphdef, params).cfg
     zeros_i = lambda *shape: jnp.zeros(shape, jnp.int32)
     # Every field its own buffer: the state is donated, and XLA refuses to donate one buffer
     # twice.
     return DecodeState(
-        cache=KVCache.zeros(cfg, B, S), seq=jnp.full((B, S), pad_id, jnp.int32), pos=zeros_i(B),
+        cache=_place(KVCache.zeros(cfg, B, S), mesh), seq=jnp.full((B, S), pad_id, jnp.int32),
+        pos=zeros_i(B),
         last=zeros_i(B), done=jnp.ones((B,), bool), count=zeros_i(B), request_id=zeros_i(B),
         key=jax.random.split(jax.random.key(0), B), temperature=jnp.ones((B,), jnp.float32),
         top_k=zeros_i(B), top_p=jnp.ones((B,), jnp.float32),
         tokens=jnp.full((B, N), pad_id, jnp.int32), logprobs=jnp.zeros((B, N), jnp.float32),
         versions=jnp.full((B, N), -1, jnp.int32))
 
-  @jax.jit
-  def prefill(params, tokens: jax.Array, true_length: jax.Array) -> Prefix:
-    return core.prefill(nnx.merge(graphdef, params), tokens, true_length)
+  @functools.partial(jax.jit, static_argnames=("mesh",))
+  def prefill(params, tokens: jax.Array, true_length: jax.Array, mesh=None) -> Prefix:
+    return core.prefill(nnx.merge(graphdef, params), tokens, true_length, mesh)
 
-  def generate(params, state: DecodeState, version, steps) -> DecodeState:
+  def generate(params, state: DecodeState, version, steps, mesh=None) -> DecodeState:
     model, layers = core.model(params)
-    return core.decode(model, layers, (state,), version, steps)[0]
+    return core.decode(model, layers, (state,), version, steps, mesh)[0]
 
-  def refresh(params, state: DecodeState) -> DecodeState:
+  def refresh(params, state: DecodeState, mesh=None) -> DecodeState:
     # One forward over every slot's held tokens (prompt + fed completion, cache slots < pos)
     # rebuilds the whole cache under `params`; `last` is fed by the next step as usual.
     model = nnx.merge(graphdef, params)
     valid = jnp.arange(S)[None, :] < state.pos[:, None]
     positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    _, cache = model(state.seq, positions, valid, KVCache.zeros(model.cfg, B, S), 0)
-    return state._replace(cache=cache)
+    _, cache = model(state.seq, positions, valid, _place(KVCache.zeros(model.cfg, B, S), mesh), 0)
+    return state._replace(cache=_place(cache, mesh))
 
   # The decode state (and with it the KV cache) is donated: each call updates it in place
   # instead of copying the cache, and the caller never touches the old state again.
-  return (init_decode_state, prefill, jax.jit(core.insert, donate_argnums=(1,)),
-          jax.jit(generate, donate_argnums=(1,)), jax.jit(refresh, donate_argnums=(1,)))
+  jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("mesh",))
+  return init_decode_state, prefill, jit(core.insert), jit(generate), jit(refresh)
 
 
 class DriverFns(NamedTuple):
   """The batched functions `Engine.run` drives (see `make_driver_fns`)."""
 
+  # Each also takes a static `mesh=None` keyword: the mesh its KV caches are split over.
   init_pool: Callable  # (params) -> Prefix pool of Q rows
   prefill_many: Callable  # (params, pool, tokens [Q, T], lengths [Q], rows [Q], n) -> pool
   insert_many: Callable  # (pool, state, admit_i [5, B], admit_f [2, B], m, key) -> pool, state
@@ -337,26 +360,27 @@ def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
                max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
   B, Q, Lmax = core.B, pool_rows, max_prompt_len
 
-  @jax.jit
-  def init_pool(params) -> Prefix:
+  @functools.partial(jax.jit, static_argnames=("mesh",))
+  def init_pool(params, mesh=None) -> Prefix:
     cfg = nnx.merge(graphdef, params).cfg
-    return Prefix(KVCache.zeros(cfg, Q, Lmax), jnp.full((Q, Lmax), pad_id, jnp.int32),
-                  jnp.ones((Q,), jnp.int32), jnp.zeros((Q, cfg.vocab_size), jnp.float32))
+    return Prefix(_place(KVCache.zeros(cfg, Q, Lmax), mesh, rows=False),
+                  jnp.full((Q, Lmax), pad_id, jnp.int32), jnp.ones((Q,), jnp.int32),
+                  jnp.zeros((Q, cfg.vocab_size), jnp.float32))
 
-  def prefill_many(params, pool: Prefix, tokens, lengths, rows, n) -> Prefix:
+  def prefill_many(params, pool: Prefix, tokens, lengths, rows, n, mesh=None) -> Prefix:
     model = nnx.merge(graphdef, params)
 
     def one(i, pool):
-      prefix, row = core.prefill(model, tokens[i], lengths[i]), rows[i]
+      prefix, row = core.prefill(model, tokens[i], lengths[i], mesh), rows[i]
       put = lambda buf, x: _put_row(buf, x, row)
-      return Prefix(KVCache(jax.tree.map(put, pool.cache.k, prefix.cache.k),
-                            jax.tree.map(put, pool.cache.v, prefix.cache.v), pool.cache.valid),
-                    put(pool.tokens, prefix.tokens[None]), pool.length.at[row].set(prefix.length),
-                    pool.logits.at[row].set(prefix.logits))
+      cache = KVCache(jax.tree.map(put, pool.cache.k, prefix.cache.k),
+                      jax.tree.map(put, pool.cache.v, prefix.cache.v), pool.cache.valid)
+      return Prefix(_place(cache, mesh, rows=False), put(pool.tokens, prefix.tokens[None]),
+                    pool.length.at[row].set(prefix.length), pool.logits.at[row].set(prefix.logits))
 
-    return jax.lax.fori_loop(0, n, one, pool)
+    return jax.lax.fori_loop(0, n, one, pool._replace(cache=_place(pool.cache, mesh, rows=False)))
 
-  def insert_many(pool: Prefix, state: DecodeState, admit_i, admit_f, m, key):
+  def insert_many(pool: Prefix, state: DecodeState, admit_i, admit_f, m, key, mesh=None):
     def one(j, state):
       row = admit_i[1, j]
       get = lambda x: _get_row(x, row)
@@ -364,29 +388,32 @@ def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
                               pool.cache.valid), pool.tokens[row], pool.length[row],
                       pool.logits[row])
       return core.insert(prefix, state, admit_i[0, j], admit_i[2, j], key, admit_f[0, j],
-                         admit_i[3, j], admit_f[1, j], admit_i[4, j])
+                         admit_i[3, j], admit_f[1, j], admit_i[4, j], mesh)
 
+    state = state._replace(cache=_place(state.cache, mesh))
     return pool, jax.lax.fori_loop(0, m, one, state)
 
   def step(params, state: DecodeState, idx, version, steps, *,
-           groups: tuple[tuple[int, int | None], ...]):
+           groups: tuple[tuple[int, int | None], ...], mesh=None):
     model, layers = core.model(params)
     if groups == ((B, None),):
-      state, = core.decode(model, layers, (state,), version, steps)
+      state, = core.decode(model, layers, (state,), version, steps, mesh)
     else:
       at = np.cumsum([0] + [n for n, _ in groups])
       ids = [idx[at[g]:at[g + 1]] for g in range(len(groups))]
       subs = core.decode(model, layers, tuple(_gather(state, i, w) for i, (_, w) in zip(
-          ids, groups)), version, steps)
+          ids, groups)), version, steps, mesh)
       for i, sub in zip(ids, subs):
         state = _scatter(state, sub, i)
+      state = state._replace(cache=_place(state.cache, mesh))
     snapshot = (jnp.stack([state.done.astype(jnp.int32), state.count]), state.tokens,
                 state.logprobs, state.versions)
     return state, snapshot
 
-  return DriverFns(init_pool, jax.jit(prefill_many, donate_argnums=(1,)),
-                   jax.jit(insert_many, donate_argnums=(0, 1)),
-                   jax.jit(step, static_argnames=("groups",), donate_argnums=(1,)))
+  return DriverFns(init_pool,
+                   jax.jit(prefill_many, donate_argnums=(1,), static_argnames=("mesh",)),
+                   jax.jit(insert_many, donate_argnums=(0, 1), static_argnames=("mesh",)),
+                   jax.jit(step, static_argnames=("groups", "mesh"), donate_argnums=(1,)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -476,7 +503,7 @@ class Engine:
     n = len(tokens)
     padded = np.full((self.bucket(n),), self.pad_id, np.int32)
     padded[:n] = tokens
-    return self._prefill(params, padded, np.int32(n))
+    return self._prefill(params, padded, np.int32(n), mesh=mesh_of(params))
 
   def programs(self) -> list[tuple[tuple[int, int | None], ...]]:
     """Every decode program `plan` can choose, in its order of preference: groups of (slots,
@@ -504,20 +531,22 @@ class Engine:
 
   def warmup(self, params) -> None:
     """Compiles every program `run` can reach (each prefill bucket, the inserts, and every
-    decode program of `programs()`) on an empty state, so that no run compiles."""
-    state, pool = self.init_decode_state(params), self.fns.init_pool(params)
+    decode program of `programs()`) on an empty state, so that no run compiles (for the mesh
+    `params` are placed on, as `run` uses it)."""
+    mesh = mesh_of(params)
+    state, pool = self.init_decode_state(params, mesh=mesh), self.fns.init_pool(params, mesh=mesh)
     Q, B = self.pool_rows, self.num_slots
     for T in self.buckets:
       pool = self.fns.prefill_many(params, pool, np.zeros((Q, T), np.int32),
                                    np.ones((Q,), np.int32), np.zeros((Q,), np.int32),
-                                   np.int32(0))
+                                   np.int32(0), mesh=mesh)
     pool, state = self.fns.insert_many(pool, state, np.zeros((5, B), np.int32),
                                        np.zeros((2, B), np.float32), np.int32(0),
-                                       jax.random.key(0))
+                                       jax.random.key(0), mesh=mesh)
     for groups in self._programs:
       n = sum(b for b, _ in groups)
       state, snap = self.fns.step(params, state, np.arange(n, dtype=np.int32), np.int32(0),
-                                  np.int32(1), groups=groups)
+                                  np.int32(1), groups=groups, mesh=mesh)
     jax.block_until_ready((state, snap, pool))
 
   def run(self, params, prompts: Sequence[Sequence[int]], request_ids: Sequence[int], key,

@@ -10,6 +10,12 @@ temperature, top_k, top_p) -> SampleOutput`, built from two jitted pure function
 Shapes are fixed by (P, prompt length, G, max_new_tokens); temperature, top-k and top-p are array
 arguments, so changing them never recompiles.
 
+On a mesh (the rollout mesh, or the train mesh when colocated: `generate` takes the mesh its
+params are placed on) the KV cache is pinned inside both programs: rows over 'data', as the
+sampler's rows are split (`samplers.rows_over`), and kv heads over 'tensor'
+(`parallel.sharding.constrain_kv_cache`), so each device holds 1/(data x tensor) of it. Rows or
+heads those axes do not divide stay replicated. Placement only: the tokens are the same.
+
 Log-probs follow the one contract of `jaxrl.models.token_logprobs`: `log_softmax(logits / T)`
 over the full vocabulary, whatever top-k/top-p truncation was used to *draw* the token.
 
@@ -27,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.transformer import KVCache, left_positions, scale_logits, token_logprobs
+from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache, mesh_of
 
 
 class _DecodeState(NamedTuple):
@@ -123,27 +130,38 @@ def make_sampler(
 
   `eos_id` is one id or several (e.g. a chat model's end-of-turn and end-of-text): a row ends at
   the first token that is any of them, and that token is kept in the mask.
+
+  `generate.prefill(params, prompts, prompt_valid, mesh=None)` and `generate.decode(...,
+  mesh=None)` are the two jitted programs; `mesh` (static) is the mesh whose 'data' and 'tensor'
+  axes split the KV cache (None: no placement of its own, e.g. one device).
   """
   G, N = num_samples, max_new_tokens
   eos_ids = eos_tuple(eos_id, "make_sampler")
+  place = lambda cache, mesh: (cache if mesh is None
+                               else constrain_kv_cache(cache, mesh, ROLLOUT_ROW_AXES))
 
-  @jax.jit
-  def prefill(params, prompts, prompt_valid):
+  @functools.partial(jax.jit, static_argnames=("mesh",))
+  def prefill(params, prompts, prompt_valid, mesh=None):
     model = nnx.merge(graphdef, params)
     P, Lp = prompts.shape
-    cache = KVCache.zeros(model.cfg, P, Lp + N)
+    cache = place(KVCache.zeros(model.cfg, P, Lp + N), mesh)
     positions = left_positions(prompt_valid)
     hidden, cache = model(prompts, positions, prompt_valid, cache, 0)
     # Left padding puts every prompt's last real token in the last slot.
     last_logits = model.logits(hidden[:, -1])
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis)
     # The batch axis is 4th from the end in both cache layouts (stacked or per layer).
-    cache = jax.tree.map(lambda x: rep(x, x.ndim - 4) if x.ndim >= 4 else rep(x, 0), cache)
+    cache = jax.tree.map(lambda x: rep(x, x.ndim - 4) if x.ndim >= 4 else rep(x, 0),
+                         place(cache, mesh))
     prompt_lens = prompt_valid.sum(-1).astype(jnp.int32)
-    return cache, rep(last_logits, 0), rep(prompt_lens, 0)
+    return place(cache, mesh), rep(last_logits, 0), rep(prompt_lens, 0)
 
-  def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p):
+  def decode(params, cache, first_logits, prompt_lens, key, request_ids, temperature, top_k, top_p,
+             mesh=None):
     model = nnx.merge(graphdef, params)
+    # The loop carries the cache in the layout prefill gave it (pinned again in the body, so the
+    # carry's layout is ours, not propagation's).
+    cache = place(cache, mesh)
     # Unrolled models: per-layer weights prepared once here rather than sliced in every step.
     layers = None if model.cfg.scan_layers else model.layer_weights()
     B = first_logits.shape[0]
@@ -164,8 +182,8 @@ def make_sampler(
       hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
                             s.cache, Lp + s.t - 1, layers=layers)
       logits = model.logits(hidden[:, 0])
-      return emit(s._replace(cache=cache), *pick_tokens(logits, s.t, request_keys, temperature,
-                                                        top_k, top_p))
+      return emit(s._replace(cache=place(cache, mesh)),
+                  *pick_tokens(logits, s.t, request_keys, temperature, top_k, top_p))
 
     empty = _DecodeState(cache, jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
                          jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
@@ -177,15 +195,17 @@ def make_sampler(
 
   # The cache is donated and returned: the loop updates prefill's buffer in place instead of
   # first copying it (an undonated input must stay intact).
-  decode = jax.jit(decode, donate_argnums=(1,))
+  decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("mesh",))
 
   def generate(params, prompts, prompt_valid, key, request_ids, temperature, top_k=0, top_p=1.0,
                version=0):
     del version  # a static batch decodes on the one params version it was given
-    cache, first_logits, prompt_lens = prefill(params, prompts, prompt_valid)
+    # Generation runs where its params are: the rollout mesh (the train mesh when colocated).
+    mesh = mesh_of(params)
+    cache, first_logits, prompt_lens = prefill(params, prompts, prompt_valid, mesh=mesh)
     out, _ = decode(params, cache, first_logits, prompt_lens, key,
                   jnp.asarray(request_ids, jnp.int32), jnp.asarray(temperature, jnp.float32),
-                  jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+                  jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), mesh=mesh)
     return out
 
   generate.prefill = prefill

@@ -61,14 +61,15 @@ class EngineSampler:
 
 def rows_over(mesh, sample: Sampler) -> Sampler:
   """`sample` with its row inputs split over the 'data' axis of `mesh` (the rollout mesh), so
-  each data shard decodes its own rows (on several processes: each process its share); rows that
+  each data shard decodes its own rows (on several processes the rollout mesh is the process's
+  own devices, `ProcessShare.mesh`, and the rows its share of the batch); rows that
   'data' does not divide stay replicated. 'fsdp' is left out on purpose: splitting rows over the
   axis that splits the weights would all-gather every layer's weights at every decode step."""
   shards = mesh.shape["data"]
   by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
   def put(x):
-    x = np.asarray(x)  # the same rows on every process; each places only its own shards
+    x = np.asarray(x)  # a global mesh: the same rows on every process, each places its shards
     return x if len(x) % shards else jax.make_array_from_callback(x.shape, by_rows,
                                                                   lambda i: x[i])
 

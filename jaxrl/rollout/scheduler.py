@@ -19,6 +19,9 @@ the engine's computations so that the host does little per token:
   attend over, so the drain of a long-tailed batch (a few long rows left) and many short rows
   next to a few long ones both cost less than every slot over the whole cache.
 
+Every dispatch passes `mesh`, the mesh the run's params are placed on (None off a mesh), so the
+engine splits its KV caches over it (`engine` module docstring).
+
 Every host array handed to a dispatch is fresh: on CPU a dispatch may read numpy inputs in place
 after it returns, so they are never written again.
 """
@@ -31,6 +34,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
+
+from jaxrl.parallel.sharding import mesh_of
 
 if TYPE_CHECKING:
   from jaxrl.rollout.engine import DecodeState, Engine, Prefix
@@ -144,6 +149,8 @@ class Scheduler:
   params: object  # the params of `version`
   on_finish: Callable[[int, EngineOutput], None] | None = None
   params_source: Callable[[], tuple[int, object] | None] | None = None
+  # The mesh of `params` (static in every dispatch: it places the KV caches); None off a mesh.
+  mesh: object = dataclasses.field(init=False)
   # The decode state and the prefix pool: each dispatch donates them and returns the new ones.
   state: DecodeState = dataclasses.field(init=False)
   pool: Prefix = dataclasses.field(init=False)
@@ -170,8 +177,9 @@ class Scheduler:
         self.version, self.params = int(got[0]), got[1]
     engine, R, N, B = (self.engine, self.requests.num_rows, self.engine.max_new_tokens,
                        self.engine.num_slots)
-    self.state = engine.init_decode_state(self.params)
-    self.pool = engine.fns.init_pool(self.params)
+    self.mesh = mesh_of(self.params)
+    self.state = engine.init_decode_state(self.params, mesh=self.mesh)
+    self.pool = engine.fns.init_pool(self.params, mesh=self.mesh)
     self.out = EngineOutput(np.full((R, N), engine.pad_id, np.int32),
                             np.zeros((R, N), np.float32), np.zeros((R, N), bool),
                             np.zeros((R,), np.int32), np.full((R, N), -1, np.int32))
@@ -212,7 +220,7 @@ class Scheduler:
         n = req.lengths[e.prompt]
         tokens[i, :n], lengths[i], rows[i] = req.prompts[e.prompt], n, e.row
       self.pool = engine.fns.prefill_many(params, self.pool, tokens, lengths, rows,
-                                          np.int32(len(items)))
+                                          np.int32(len(items)), mesh=self.mesh)
       engine.stats["prefill"] += len(items)
       engine.stats["prefill_call"] += 1
 
@@ -228,7 +236,8 @@ class Scheduler:
     pool it returns is what the next prefill takes, so refilling them cannot overtake it."""
     if batch.count:
       self.pool, self.state = self.engine.fns.insert_many(
-          self.pool, self.state, batch.ints, batch.floats, np.int32(batch.count), self.key)
+          self.pool, self.state, batch.ints, batch.floats, np.int32(batch.count), self.key,
+          mesh=self.mesh)
       self.engine.stats["insert"] += batch.count
       self.engine.stats["insert_call"] += 1
     self.free_pool_rows.extend(batch.last_reads)
@@ -264,7 +273,8 @@ class Scheduler:
     groups, idx = engine.plan({s: self.slot_length[s] + self.slot_count[s] - 1
                                + min(k, N - self.slot_count[s]) for s in self.slot_row})
     self.state, snapshot = engine.fns.step(self.params, self.state, np.asarray(idx, np.int32),
-                                           np.int32(self.version), k, groups=groups)
+                                           np.int32(self.version), k, groups=groups,
+                                           mesh=self.mesh)
     for x in snapshot:
       x.copy_to_host_async()
     stats["dispatch"] += 1
@@ -310,7 +320,7 @@ class Scheduler:
     self.version, self.params = int(got[0]), got[1]
     refresh_kv = self.engine.refresh_kv
     if refresh_kv and self.slot_row:
-      self.state = self.engine.refresh(self.params, self.state)
+      self.state = self.engine.refresh(self.params, self.state, mesh=self.mesh)
       self.engine.stats["refresh"] += 1
     # Prompts prefilled but not started are prefilled again under the new params (as if
     # prefilled now); with `refresh_kv` a started group's remaining members too.
