@@ -22,6 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 import jaxrl.losses as L
 import losses_numpy as ref  # tests/ is on sys.path (rootdir-less test modules)
+from loss_checks import close, rounded, tol
 from conftest import tiny_model_config
 from jaxrl import parallel
 from jaxrl.config import ConfigError, parse_overrides, validate
@@ -35,23 +36,6 @@ from jaxrl.types import TrainBatch
 B, N = 6, 5
 DTYPES = [jnp.float32, jnp.bfloat16]
 PROPS = settings(max_examples=20, deadline=None, database=None)
-
-
-def rounded(x, dtype):
-  """`x` as the dtype under test, and the same rounded values in float64 for the reference."""
-  a = jnp.asarray(np.asarray(x, np.float32), dtype)
-  return a, np.asarray(a.astype(jnp.float32), np.float64)
-
-
-def tol(dtype, grad=False):
-  if dtype == jnp.bfloat16:
-    return dict(rtol=2e-2, atol=2e-2)
-  return dict(rtol=1e-4, atol=1e-5) if grad else dict(rtol=1e-5, atol=1e-6)
-
-
-def close(actual, expected, **kw):
-  np.testing.assert_allclose(np.asarray(jnp.asarray(actual, jnp.float32), np.float64),
-                             np.asarray(expected, np.float64), **kw)
 
 
 def make(seed, b=B, n=N, mask=None):

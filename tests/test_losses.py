@@ -21,6 +21,7 @@ from hypothesis.extra import numpy as hnp
 import jaxrl.losses as L
 from jaxrl.losses import stats
 import losses_numpy as ref  # tests/ is on sys.path (rootdir-less test modules)
+from loss_checks import close, rounded, tol
 
 B, N = 6, 5
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -29,23 +30,6 @@ P = L.CorrectionParams()
 # Bands wide enough that random inputs land on both sides of every threshold.
 WIDE = L.CorrectionParams(geo_mask_low=0.8, geo_mask_high=1.25, outlier_low=0.5,
                           outlier_high=1.8)
-
-
-def rounded(x, dtype):
-  """`x` as the dtype under test, and the same rounded values in float64 for the reference."""
-  a = jnp.asarray(np.asarray(x, np.float32), dtype)
-  return a, np.asarray(a.astype(jnp.float32), np.float64)
-
-
-def tol(dtype, grad=False):
-  if dtype == jnp.bfloat16:
-    return dict(rtol=2e-2, atol=2e-2)
-  return dict(rtol=1e-4, atol=1e-5) if grad else dict(rtol=1e-5, atol=1e-6)
-
-
-def close(actual, expected, **kw):
-  np.testing.assert_allclose(np.asarray(jnp.asarray(actual, jnp.float32), np.float64),
-                             np.asarray(expected, np.float64), **kw)
 
 
 def make(seed, b=B, n=N, mask=None):
