@@ -20,3 +20,12 @@ def tol(dtype, grad=False):
 def close(actual, expected, **kw):
   np.testing.assert_allclose(np.asarray(jnp.asarray(actual, jnp.float32), np.float64),
                              np.asarray(expected, np.float64), **kw)
+
+
+def kl_inputs(seed, sign, shape):
+  """Log-probs `lp` and a base at |lp - base| in [0.01, 2] on the side `sign` picks: away from 0
+  (where k3's 1 - e^-d and a weighted term's gradient vanish) and from the clamps."""
+  rng = np.random.default_rng(seed)
+  lp = -rng.uniform(0.1, 3.0, shape)
+  base = lp + np.where(sign, 1.0, -1.0) * rng.uniform(0.01, 2.0, shape)
+  return rng, lp, base

@@ -22,7 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 import jaxrl.losses as L
 import losses_numpy as ref  # tests/ is on sys.path (rootdir-less test modules)
-from loss_checks import close, rounded, tol
+from loss_checks import close, kl_inputs, rounded, tol
 from conftest import tiny_model_config
 from jaxrl import parallel
 from jaxrl.config import ConfigError, parse_overrides, validate
@@ -391,11 +391,9 @@ def weighted_kl_terms(lp, base, mu, mask):
 @PROPS
 @given(mask=masks, seed=st.integers(0, 2**31), sign=hnp.arrays(bool, (B, N)))
 def test_property_weighted_and_policy_reduced_kl_terms_have_a_gradient(mask, seed, sign):
-  rng = np.random.default_rng(seed)
-  lp = -rng.uniform(0.1, 3.0, (B, N))
-  # |lp - base| in [0.01, 2]: away from 0 and from the clamps. (A weighted term's gradient is
-  # w (k + k'); it vanishes only on a set of measure zero, e.g. k1 at d = -1.)
-  base = lp + np.where(sign, 1.0, -1.0) * rng.uniform(0.01, 2.0, (B, N))
+  # (A weighted term's gradient is w (k + k'); it vanishes only on a set of measure zero, e.g.
+  # k1 at d = -1.)
+  rng, lp, base = kl_inputs(seed, sign, (B, N))
   mu = lp + rng.normal(0.0, 0.3, (B, N))
   out = weighted_kl_terms(*(jnp.asarray(v, jnp.float32) for v in (lp, base, mu)), mask)
   for key, (v, g) in out.items():
