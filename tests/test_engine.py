@@ -149,6 +149,7 @@ def test_batched_driver_is_bit_identical_to_one_call_per_prompt_and_row(setup):
   assert engine.stats["insert_call"] < 9 and engine.stats["compact"] == 0
 
 
+@pytest.mark.slow  # several engine programs (fast-suite time budget)
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
 def test_compacted_and_windowed_programs_give_the_static_samplers_tokens(windowed, sampler,
                                                                          sampling):

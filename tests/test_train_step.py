@@ -57,6 +57,7 @@ def _max_param_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow  # 8-device compiles (fast-suite time budget)
 def test_sharded_step_matches_single_device(devices):
   ref_state, ref_m, ref_losses = _run((1, 1, 1))
   state, m, losses = _run((2, 2, 2))
@@ -103,6 +104,7 @@ def test_activations_are_constrained_to_rows_only_on_a_multi_device_mesh(devices
   assert '[{"data", "fsdp"}, {}, {}]' in text
 
 
+@pytest.mark.slow  # compiles 2 steps (fast-suite time budget)
 def test_microbatches_match_single_batch():
   ref_state, ref_m, ref_losses = _run((1, 1, 1), num_microbatches=1)
   state, m, losses = _run((1, 1, 1), num_microbatches=4)
@@ -111,6 +113,7 @@ def test_microbatches_match_single_batch():
   assert _max_param_diff(state.params, ref_state.params) <= 1e-6
 
 
+@pytest.mark.slow  # compiles a step (fast-suite time budget)
 def test_non_finite_gradient_skips_the_update():
   # A NaN embedding row for a token the batch uses makes the loss and gradient NaN.
   cfg = tiny_model_config()
@@ -252,8 +255,8 @@ def _grouped_batch(seed=0) -> TrainBatch:
                     completion_valid=seen)
 
 
-# Scanned layers run in the slow step (fast-suite time budget).
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # compiles 4 steps (fast-suite time budget)
+@pytest.mark.parametrize("scan_layers", [False, True])
 def test_shared_prompts_match_running_every_row(scan_layers):
   # Each group's prompt runs once and its 4 completions attend to that one copy of its keys and
   # values: the same losses, metrics and updates as running every row's prompt (the full

@@ -70,6 +70,7 @@ class _Flaky:
     return self.env.step(turns)
 
 
+@pytest.mark.slow  # a whole tiny run (fast-suite time budget)
 def test_failing_and_stalling_environment_never_hang_training(tmp_path):
   cfg = _tiny_cfg(env__timeout_s=0.5)
   flaky = _Flaky(make_env("add"), stall_s=3.0)
