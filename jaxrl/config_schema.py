@@ -106,6 +106,7 @@ DISTRIBUTED_RULES: list[tuple[str, Rule]] = [
     ("distributed.num_processes", _ge(1)),
     ("distributed.process_id", _ge(0)),
     ("distributed.init_timeout_s", _gt(0)),
+    ("distributed.peer_timeout_s", _ge(5)),
 ]
 
 RULES: list[tuple[str, Rule]] = [

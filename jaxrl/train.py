@@ -115,15 +115,21 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
   # as missing the key by validate(), so nothing is detected for it.
   section = cfg.get("distributed")
   auto = isinstance(section, ConfigDict) and section.get("auto") is True
+  # distributed_settings() has checked it too (a bad value returns None before this point).
+  peer_timeout_s = section.get("peer_timeout_s", 60) if isinstance(section, ConfigDict) else 60
   try:
-    how = parallel.distributed.join(*settings, auto=auto, env=os.environ)
+    how = parallel.distributed.join(*settings, auto=auto, env=os.environ,
+                                    peer_timeout_s=peer_timeout_s)
   except parallel.distributed.EnvError as e:
     problems.append(f"config.distributed.auto: {e}; --config.distributed.auto=false ignores the "
                     "launcher's variables")
     return
-  if how is not None and parallel.distributed.is_main():
-    print(f"jaxrl | joined {jax.process_count()} processes ({jax.device_count()} devices) "
-          f"through {how}", flush=True)
+  if how is not None:
+    # A lost or failing process ends every process, named (jaxrl.parallel.peers).
+    parallel.peers.watch(peer_timeout_s)
+    if parallel.distributed.is_main():
+      print(f"jaxrl | joined {jax.process_count()} processes ({jax.device_count()} devices) "
+            f"through {how}", flush=True)
 
 
 def _device_memory() -> int | None:
@@ -152,6 +158,31 @@ def _validate(cfg: ConfigDict, problems: list[str]) -> config_lib.MeshShape:
                              num_processes=jax.process_count(), device_memory=_device_memory())
 
 
+def _leave(message: str | None, e: BaseException | None) -> None:
+  """Ends a process of a multi-process run that failed, after telling the others
+  (`jaxrl.parallel.peers`): its message (or, for a bug, its traceback) first, then every other
+  process ends with a message naming this one, then this one exits 1. `os._exit`, not a normal
+  exit: JAX's shutdown would wait at a barrier for processes that are gone."""
+  import traceback
+
+  from jaxrl.parallel import peers
+
+  if message is None and e is not None:
+    if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+      # A collective that failed because another process is gone: the watch names it.
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+      message = f"jaxrl: a collective failed in this process: {first}"
+    else:
+      traceback.print_exception(e)
+      message = f"jaxrl: {type(e).__name__}: {e}"
+  if message:
+    print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  peers.WATCH.fail((message or "").removeprefix("jaxrl: ").splitlines()[0][:300])
+  sys.stderr.flush()
+  os._exit(1)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f"jaxrl: unexpected arguments {argv[1:]}: a recipe is given as --config path.py and "
@@ -178,13 +209,20 @@ def main(argv: list[str]) -> None:
   stop = trainer.Stop()
   signal.signal(signal.SIGTERM, stop.handler)
   signal.signal(signal.SIGINT, stop.handler)
+  from jaxrl.parallel import peers
+
   try:
     trainer.run(cfg, run_dir, mesh_shape, stop=stop)
-  except trainer.TrainingHalted as e:
-    sys.exit(f"jaxrl: stopped: {e}")
-  except Exception as e:
-    _exit_if_user_error(e, debug)
+  except BaseException as e:
+    message = f"jaxrl: stopped: {e}" if isinstance(e, trainer.TrainingHalted) else \
+        None if debug else user_message(e)
+    if peers.WATCH is not None and not isinstance(e, SystemExit):
+      _leave(message, e)
+    if message is not None:
+      sys.exit(message)
     raise
+  if peers.WATCH is not None:
+    peers.WATCH.finish()  # the others no longer wait for this process
 
 
 def run() -> None:

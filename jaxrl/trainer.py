@@ -81,7 +81,8 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
     out.write(row)
     if steps % cfg.eval_every == 0 and acc >= cfg.stop_accuracy:
       break
-    if stop is not None and stop():
+    # Every process decides together: a signal may have reached only one of them.
+    if stop is not None and parallel.distributed.any_process(stop()):
       progress.newline()
       progress.say(f"warm-up: stopped by signal at step {steps}; nothing saved (warm-up is "
                    "not checkpointed)")
@@ -243,12 +244,15 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
           halt = (f"the last {loop.consecutive_skipped} updates (to step {step}) were all skipped "
                   "for non-finite gradients (train.max_consecutive_skipped="
                   f"{t.max_consecutive_skipped})")
-        if (c.every and step % c.every == 0) or step == t.steps or stop() or halt:
+        # One decision per step, the same on every process (a signal may have reached only one
+        # of them: a preempted host): all checkpoint this step and stop.
+        stopping = parallel.distributed.any_process(stop())
+        if (c.every and step % c.every == 0) or step == t.steps or stopping or halt:
           save()
         if halt:
           raise TrainingHalted(f"{halt}; checkpoint of step {step} saved. Check the rewards, "
                                "the sampling temperature and the learning rate, then resume.")
-        if stop():
+        if stopping:
           stopped_at = step
           break
     if stopped_at is None:

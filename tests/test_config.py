@@ -132,6 +132,7 @@ def test_int_is_accepted_where_float_is_expected():
     ("distributed.num_processes", 0, "must be >= 1, got 0"),
     ("distributed.process_id", -1, "must be >= 0, got -1"),
     ("distributed.init_timeout_s", 0, "must be > 0"),
+    ("distributed.peer_timeout_s", 2, "must be >= 5, got 2"),
 ])
 def test_out_of_range(key, value, expected):
   cfg = get_config()
@@ -425,9 +426,11 @@ def test_distributed_settings_before_jax_starts():
   validate(cfg, 8)
   cfg.rollout.lag = 1  # several processes make lagged rollouts inline, in one order
   validate(cfg, 8)
-  cfg.rollout.engine = "continuous"
-  assert "must be 'static' with config.distributed.num_processes > 1" in \
-      _one(cfg, "rollout.engine", 8)
+  cfg.rollout.engine = "continuous"  # each process's rollout thread runs it on its own devices
+  validate(cfg, 8)
+  cfg.dynamic_sampling.enabled = True  # ... but inline batches span every process's devices
+  assert "must be 'static' with config.distributed.num_processes > 1 when " \
+      "config.dynamic_sampling.enabled is true" in _one(cfg, "rollout.engine", 8)
   assert distributed_settings(cfg) == ("10.0.0.2:8476", 2, 1, 300)  # the engine is validate's
   cfg.distributed.process_id = 2
   assert distributed_settings(cfg) is None

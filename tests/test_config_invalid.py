@@ -131,8 +131,14 @@ CASES = [
     # distributed
     ("process_id_out_of_range", [*MULTI, "--config.distributed.process_id=2"],
      ["distributed.process_id"], "must be < config.distributed.num_processes = 2"),
-    ("engine_with_several_processes", [*MULTI, "--config.rollout.engine=continuous"],
-     ["rollout.engine"], "must be 'static' with config.distributed.num_processes > 1"),
+    # the continuous engine runs on each process's own devices, not where batches are inline
+    ("engine_with_several_processes_and_dynamic_sampling",
+     [*MULTI, "--config.rollout.engine=continuous", "--config.dynamic_sampling.enabled=true"],
+     ["rollout.engine"], "must be 'static' with config.distributed.num_processes > 1 when "
+     "config.dynamic_sampling.enabled is true"),
+    ("engine_with_several_processes_disaggregated",
+     [*MULTI, "--config.rollout.engine=continuous", "--config.mesh.rollout=4"],
+     ["rollout.engine"], "config.mesh.rollout > 0 (disaggregated)"),
     ("no_coordinator", ["--config.distributed.num_processes=2"],
      ["distributed.coordinator_address"], "needs process 0's 'host:port'"),
     # mesh

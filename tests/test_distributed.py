@@ -143,14 +143,15 @@ def calls(monkeypatch):
   made = []
   monkeypatch.setattr(distributed, "initialize", lambda *a: made.append(("explicit", *a)))
   monkeypatch.setattr(distributed, "initialize_detected",
-                      lambda found, timeout_s: made.append(("detected", found, timeout_s)))
+                      lambda found, timeout_s, peer_timeout_s=None:
+                      made.append(("detected", found, timeout_s)))
   return made
 
 
 def test_explicit_keys_beat_detection(calls):
   garbage = {**TORCHRUN, "RANK": "99"}  # would raise if detection ran
-  how = distributed.join("10.0.0.2:8476", 2, 1, 60, auto=True, env=garbage)
-  assert calls == [("explicit", "10.0.0.2:8476", 2, 1, 60)]
+  how = distributed.join("10.0.0.2:8476", 2, 1, 60, auto=True, env=garbage, peer_timeout_s=30)
+  assert calls == [("explicit", "10.0.0.2:8476", 2, 1, 60, 30)]
   assert "distributed.* keys" in how and "10.0.0.2:8476" in how
 
 
@@ -189,6 +190,7 @@ def test_checks_apply_to_the_detected_process_count():
   cfg = get_config()
   cfg.rollout.engine = "continuous"
   cfg.rollout.lag = 1  # a lag is fine with several processes (test_multiprocess_rollouts)
+  cfg.dynamic_sampling.enabled = True  # batches made inline: the engine is refused there
   validate(cfg, 8)
   validate(cfg, 8, num_processes=1)
   [problem] = _problems(cfg, num_processes=2)
@@ -201,6 +203,7 @@ def test_checks_apply_to_the_detected_process_count():
   cfg.distributed.num_processes = 2
   cfg.distributed.coordinator_address = "10.0.0.1:8476"
   cfg.rollout.engine = "continuous"
+  cfg.dynamic_sampling.enabled = True
   for n in (None, 1, 2):
     [problem] = _problems(cfg, num_processes=n)
     assert "must be 'static' with config.distributed.num_processes > 1" in problem
@@ -257,10 +260,12 @@ def test_malformed_launcher_variable_is_a_config_error(tmp_path):
 
 def test_detected_processes_get_the_multi_process_checks(tmp_path):
   """Nothing distributed in the config, two processes joined from the environment: the
-  continuous engine is refused, before compiling, as with explicit keys."""
+  continuous engine with dynamic sampling (batches made inline) is refused, before compiling, as
+  with explicit keys."""
   port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train",
                              "--config.rollout.engine=continuous",
+                             "--config.dynamic_sampling.enabled=true",
                              f"--config.run_dir={tmp_path / 'run'}"],
                             env={**_torchrun_env(i, port), "JAX_LOG_COMPILES": "1"}, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -45,8 +45,10 @@ def test_continuous_engine_trains_like_the_static_sampler(tmp_path):
 
 
 def test_continuous_engine_is_refused_with_several_processes():
+  # Where batches are made inline (dynamic sampling): each process's own devices run it otherwise.
   cfg = _tiny_cfg(rollout__engine="continuous", distributed__num_processes=2,
-                  distributed__coordinator_address="127.0.0.1:1234")
+                  distributed__coordinator_address="127.0.0.1:1234",
+                  dynamic_sampling__enabled=True)
   with pytest.raises(config_lib.ConfigError, match="config.rollout.engine: must be 'static'"):
     config_lib.validate(cfg, 8)
 

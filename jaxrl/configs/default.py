@@ -277,6 +277,10 @@ def get_config() -> ConfigDict:
   c.distributed.num_processes = 1
   c.distributed.process_id = 0
   c.distributed.init_timeout_s = 300  # give up joining after this long
+  # A process silent this long (killed, crashed, hung, cut off) ends every process with a message
+  # naming it (exit 1); rerunning the same command on every process resumes from the last
+  # checkpoint. Also a failing process makes the others stop at once (jaxrl.parallel.peers).
+  c.distributed.peer_timeout_s = 60
 
   # The train mesh (data x fsdp x tensor). Colocated by default: rollouts are generated on the
   # same devices. Disaggregated: `mesh.rollout` devices generate on their own mesh and

@@ -197,17 +197,31 @@ def detect(env: Mapping[str, str]) -> Detected | None:
   return _tpu(env)
 
 
+def _heartbeat(peer_timeout_s: float | None) -> dict:
+  """JAX's own heartbeat timeout: `peer_timeout_s` plus a margin (`peers.JAX_MARGIN_S`), so the
+  run's `PeerWatch` names a lost process before JAX's runtime ends this one; JAX's default when
+  None."""
+  from jaxrl.parallel import peers
+
+  if peer_timeout_s is None:
+    return {}
+  return {"heartbeat_timeout_seconds": int(peer_timeout_s) + peers.JAX_MARGIN_S}
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
-               timeout_s: int = 300) -> None:
+               timeout_s: int = 300, peer_timeout_s: float | None = None) -> None:
   """Joins the processes of a run; a no-op for a single process."""
   if num_processes == 1:
     return
   jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=int(timeout_s))
+                             process_id=process_id, initialization_timeout=int(timeout_s),
+                             **_heartbeat(peer_timeout_s))
 
 
-def initialize_detected(found: Detected, timeout_s: int = 300) -> None:
+def initialize_detected(found: Detected, timeout_s: int = 300,
+                        peer_timeout_s: float | None = None) -> None:
   """Joins the processes `detect` found."""
+  beat = _heartbeat(peer_timeout_s)
   try:
     if found.kind == "torchrun":
       # Everything is given; "deactivate" keeps JAX from reading another cluster's variables
@@ -216,10 +230,10 @@ def initialize_detected(found: Detected, timeout_s: int = 300) -> None:
           coordinator_address=found.coordinator_address, num_processes=found.num_processes,
           process_id=found.process_id,
           local_device_ids=list(found.local_device_ids) if found.local_device_ids else None,
-          cluster_detection_method="deactivate", initialization_timeout=int(timeout_s))
+          cluster_detection_method="deactivate", initialization_timeout=int(timeout_s), **beat)
     else:
       jax.distributed.initialize(cluster_detection_method=_JAX_METHODS[found.kind],
-                                 initialization_timeout=int(timeout_s))
+                                 initialization_timeout=int(timeout_s), **beat)
   except Exception as e:
     where = f", coordinator {found.coordinator_address}" if found.coordinator_address else ""
     e.add_note(f"jaxrl: joining the processes found from {found.source} "
@@ -230,24 +244,26 @@ def initialize_detected(found: Detected, timeout_s: int = 300) -> None:
 
 
 def join(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300,
-         *, auto: bool = False, env: Mapping[str, str] | None = None) -> str | None:
+         *, auto: bool = False, env: Mapping[str, str] | None = None,
+         peer_timeout_s: float | None = None) -> str | None:
   """Joins the processes of a run; returns how (for the start-up line), None for one process.
 
   Explicit settings (`num_processes > 1`) win. Otherwise, with `auto` and no
-  `coordinator_address`, `detect(env)` decides.
+  `coordinator_address`, `detect(env)` decides. `peer_timeout_s`: how long a silent process is
+  waited for (`jaxrl.parallel.peers`; JAX's heartbeat timeout is set a margin above it).
 
   Raises:
     EnvError: from `detect`, naming the malformed environment variable (nothing is joined).
   """
   if num_processes > 1:
-    initialize(coordinator_address, num_processes, process_id, timeout_s)
+    initialize(coordinator_address, num_processes, process_id, timeout_s, peer_timeout_s)
     return f"distributed.* keys (coordinator {coordinator_address})"
   if not auto or coordinator_address or env is None:
     return None
   found = detect(env)
   if found is None:
     return None
-  initialize_detected(found, timeout_s)
+  initialize_detected(found, timeout_s, peer_timeout_s)
   where = f"; coordinator {found.coordinator_address}" if found.coordinator_address else ""
   return f"{found.source}{where}"
 
@@ -312,6 +328,17 @@ def publish_local(params, mesh: Mesh, local: Mesh):
     return jax.make_array_from_single_device_arrays(x.shape, on, [by_device[d] for d in order])
 
   return jax.tree.map(leaf, full)
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is true on any process: one small collective when there are several (every
+  process must call it at the same point of the program), the flag itself for one. How a signal
+  that reached one process (a preempted host) becomes every process's decision at the same
+  step."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.asarray(multihost_utils.process_allgather(np.asarray([int(bool(flag))],
+                                                                      np.int32))).any())
 
 
 def allgather_json(value) -> list:

@@ -74,6 +74,27 @@ class ProcessShare:
 
 
 def process_share(parts) -> ProcessShare | None:
+  """This process's share of every batch, or None where rollouts cannot be split by process
+  (`split_by_process`).
+
+  Raises:
+    ConfigError: on several processes with `rollout.engine = 'continuous'` when the batch cannot
+      be split (the config check refuses the cases it can decide; this is the device layout's):
+      the engine's host driver cannot run inline over every process's devices.
+  """
+  share = split_by_process(parts)
+  if share is None and jax.process_count() > 1 and parts.cfg.rollout.engine == "continuous":
+    raise config_lib.ConfigError([
+        f"{config_lib.PREFIX}rollout.engine: must be 'static' with {jax.process_count()} "
+        "processes when a batch cannot be split by process (dynamic sampling, a disaggregated "
+        "rollout mesh, or train-mesh row shards that do not give each process whole groups of "
+        "its own, e.g. a 'tensor' axis spanning processes): the batch is then generated inline "
+        "over every process's devices, and the continuous engine's host driver reads every "
+        "slot's state, which no process holds alone"])
+  return share
+
+
+def split_by_process(parts) -> ProcessShare | None:
   """This process's share of every batch, or None where rollouts cannot be split by process:
   one process; a disaggregated rollout mesh; dynamic sampling (its decisions and metrics span the
   whole batch); or a train mesh whose row shards do not give each process one run of whole groups

@@ -35,15 +35,19 @@ with `fold_in(fold_in(key, r), t)`, log-probs are `log_softmax(logits / T)` over
 vocabulary. The same key and request ids therefore give the same tokens as the static sampler,
 whatever the slot a request lands in or when it is admitted.
 
-On a mesh (the one the params are placed on: the rollout mesh, or the train mesh when colocated)
-every program pins the KV caches it returns: the decode state's slots over 'data' and kv heads over
-'tensor', the prefix pool's and a prefix's kv heads over 'tensor' (their rows stay whole: an
-insert then reads its pool row on every device); see `parallel.sharding.constrain_kv_cache`.
+On a mesh (the one the params are placed on: the rollout mesh, the train mesh when colocated, or
+on several processes this process's own devices, where the params are published for its rollout
+thread) every program pins the KV caches it returns: the decode state's slots over 'data' and kv
+heads over 'tensor', the prefix pool's and a prefix's kv heads over 'tensor' (their rows stay
+whole: an insert then reads its pool row on every device); see
+`parallel.sharding.constrain_kv_cache`.
 Slot counts or heads the axes do not divide stay replicated. The jitted functions take it as a
 static `mesh=None` keyword; `Engine` passes the mesh of the params it is given. Placement only:
 the tokens are the same.
 
-`Engine.run` is the host-side driver (`scheduler.Scheduler`): it keeps every slot busy, streams
+`Engine.run` is the host-side driver (`scheduler.Scheduler`): it reads each dispatch's snapshot
+with plain host copies, so its mesh must be this process's own devices (every array fully
+addressable; no program it launches involves another process). It keeps every slot busy, streams
 finished groups to `on_finish`, and returns rows in request order in the sampler's format plus
 per-token versions. It drives batched versions of the same computations (`make_driver_fns`):
 prompts prefilled ahead into a pool, one insert dispatch per round of admissions, and for each

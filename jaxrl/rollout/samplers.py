@@ -10,7 +10,9 @@ A sampler is a callable
 returning P*G rows prompt-major (row = p*G + g), each token stamped with the params version that
 produced it. `build_samplers` makes the three a run needs: G samples per prompt for training, one
 per row for later turns, and `val.samples_per_prompt` for evaluation. The newest-params source of
-partial rollouts is given when they are built (`newest`), never attached later.
+partial rollouts is given when they are built (`newest`), never attached later. The continuous
+engine runs only on a mesh of this process's own devices (on several processes, the one each
+process's rollout thread generates on); see `build_samplers`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class EngineSampler:
                top_p=1.0, version=0):
     prompts, valid = np.asarray(prompts), np.asarray(prompt_valid)
     rows = [p[v].tolist() for p, v in zip(prompts, valid)]
-    source = None if self.newest is None else _partial_source(self.newest, version, params)
+    source = None if self.newest is None else partial_source(self.newest, version, params)
     return self.engine.run(params, rows, np.asarray(request_ids), key, temperature, top_k,
                            top_p, group_size=self.group_size, version=version,
                            params_source=source)
@@ -81,10 +83,14 @@ def rows_over(mesh, sample: Sampler) -> Sampler:
   return split_rows
 
 
-def _partial_source(newest: NewestParams, version: int, params):
+def partial_source(newest: NewestParams, version: int, params):
   """The engine's `params_source` for one batch: its own `(version, params)` at the first call
   (the batch's first tokens keep the forced lag), then whichever is newer of those and
-  `newest()`."""
+  `newest()`.
+
+  Looked up on this module at every batch, so a test or a debugging session may replace it (e.g.
+  with a source that waits for the next version at a chosen call, to make a partial rollout's
+  switch deterministic)."""
   started = []
 
   def source():
@@ -93,6 +99,12 @@ def _partial_source(newest: NewestParams, version: int, params):
     return got if got is not None and got[0] > version else (version, params)
 
   return source
+
+
+def is_process_local(mesh) -> bool:
+  """Whether every device of `mesh` (None: the default device) is this process's own, so every
+  array on it is fully addressable and reading one launches nothing on another process."""
+  return mesh is None or all(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +122,19 @@ def build_samplers(cfg, graphdef, tokenizer, rollout_mesh, newest: NewestParams 
 
   `newest` is the newest-params source of partial rollouts (`rollout.partial_rollouts`, the
   continuous engine only); evaluation measures the params of one step and never uses it.
+
+  The continuous engine runs on the mesh of the params it is given (`rollout_mesh` itself, or on
+  several processes this process's own devices, `ProcessShare.mesh`, with the params published
+  there): its host driver reads every slot's state after each dispatch, so every array must be
+  the process's own. On a `rollout_mesh` that spans processes (evaluation on several processes,
+  inline on the global params; training there is refused by `process_share`) the static sampler
+  is built instead: the same tokens for the same keys.
   """
   r = cfg.rollout
   common = dict(max_new_tokens=r.max_new_tokens, eos_id=tokenizer.eos_ids,
                 pad_id=tokenizer.pad_id)
   k = cfg.val.samples_per_prompt
-  if r.engine == "continuous":
+  if r.engine == "continuous" and is_process_local(rollout_mesh):
     def engine(group_size, prompt_len, rows, newest=None):
       return EngineSampler(Engine(graphdef, num_slots=r.engine_slots or rows,
                                    max_prompt_len=prompt_len, steps_per_dispatch=r.engine_steps,
