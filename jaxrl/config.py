@@ -22,7 +22,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl import preflight, sinks
+from jaxrl import compile_cache, preflight, sinks
 from jaxrl.config_schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
                                  check_schema, describe, flatten, parse_profile_steps, type_ok)
 from jaxrl.configs import default as default_config
@@ -460,6 +460,11 @@ def validate(cfg: ConfigDict, num_devices: int,
   preflight.check_hf(good, flatten(ref), problems)
   _check_task(good, problems)
   preflight.check_run_dir(good, problems)
+  if "compile_cache" in good:
+    why = compile_cache.problem(good["compile_cache"])
+    if why:
+      problems.append(f"{PREFIX}compile_cache: {why}; give a writable directory, \"auto\" or "
+                      "\"\" (no cache)")
   preflight.check_logging(good, problems)
   preflight.check_resume(good, problems)
   processes = num_processes or good.get("distributed.num_processes") or 1

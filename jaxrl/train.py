@@ -27,6 +27,7 @@ from jaxrl import config as config_lib
 from jaxrl.errors import UserError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+STARTED = time.monotonic()  # "time to the first RL step" counts from here (the module's import)
 
 # A plain string flag, loaded by `config_lib.load_recipe`: ml_collections' config-file flag loads
 # its default recipe first and reloads a user's file into the same module, so a file without
@@ -202,8 +203,12 @@ def main(argv: list[str]) -> None:
     _exit_if_user_error(e, debug)
     raise
 
-  from jaxrl import trainer
+  from jaxrl import compile_cache, trainer
 
+  try:
+    compile_cache.enable(cfg.compile_cache)  # before the first compilation
+  except OSError as e:  # an explicit directory that could not be created
+    sys.exit(f"jaxrl: config.compile_cache: {_os_error_text(e)}")
   run_dir = cfg.run_dir or config_lib.default_run_dir(cfg.name, time.strftime("%Y%m%d-%H%M%S"))
   # SIGTERM (preemption) and SIGINT (Ctrl-C): checkpoint after the current step, exit 0.
   stop = trainer.Stop()
@@ -212,7 +217,7 @@ def main(argv: list[str]) -> None:
   from jaxrl.parallel import peers
 
   try:
-    trainer.run(cfg, run_dir, mesh_shape, stop=stop)
+    trainer.run(cfg, run_dir, mesh_shape, stop=stop, started=STARTED)
   except BaseException as e:
     message = f"jaxrl: stopped: {e}" if isinstance(e, trainer.TrainingHalted) else \
         None if debug else user_message(e)

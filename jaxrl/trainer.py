@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 
 import jax
@@ -128,7 +129,8 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
        warm: dict | None = None, stop=None,
        on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None,
        rl_step: tuple[Callable, Callable] | None = None,
-       ahead: CompileAhead | None = None, run_dir: str | None = None) -> tuple[object, dict]:
+       ahead: CompileAhead | None = None, run_dir: str | None = None,
+       started: float | None = None) -> tuple[object, dict]:
   """GRPO for `train.steps` steps from `params` (see the module docstring); returns the final
   params and the summary.
 
@@ -142,7 +144,9 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   before its step: a seam for fault injection and debugging. `rl_step` is `build_rl_step(parts,
   params)` when the caller built it already (None: built here); `ahead`, a `CompileAhead`
   compiling that step, is waited for before the first update. `run_dir`: where
-  `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace).
+  `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace). `started`: the
+  `time.monotonic()` of the process's start, from which the time to the first RL step is
+  printed and kept in the summary (`startup/first_rl_step_s`).
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
@@ -195,6 +199,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   if loop.step == 0 and v.at_start:
     evaluator.submit(0, for_eval(published))
   stopped_at = None
+  first_step_s = None
   try:
     with pipe:
       for step in range(loop.step + 1, t.steps + 1):
@@ -211,6 +216,11 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         state, m = step_fn(state, batch)
         m = parallel.distributed.fetch(m)
         perf.lap("train")
+        if first_step_s is None and started is not None:
+          first_step_s = time.monotonic() - started
+          cache = jax.config.jax_compilation_cache_dir
+          progress.say(f"first RL step done {first_step_s:.1f} s after start (compilation "
+                       f"cache: {cache or 'off'})")
         del batch, arrays
         parts.data.discard(item.meta)  # the step consumed these rows
         loop.step = step
@@ -266,10 +276,13 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   return state.params, {"val/accuracy_before_rl": acc.get(0, float("nan")),
                         "val/accuracy_after_rl": acc[max(acc)] if acc else float("nan"),
                         "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at,
-                        "train/skipped_updates": loop.skipped_updates}
+                        "train/skipped_updates": loop.skipped_updates,
+                        **({} if first_step_s is None else
+                           {"startup/first_rl_step_s": first_step_s})}
 
 
-def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None) -> dict:
+def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None,
+        started: float | None = None) -> dict:
   """Runs warm-up and RL; writes config.json, metrics.jsonl, curves.png, summary.json, and
   checkpoints under `<run_dir>/checkpoints`.
 
@@ -338,7 +351,7 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       try:
         params, rl_summary = rl(parts, params, out, progress, ckpt=ckpt, resume=resume,
                                 warm=warm, stop=stop, rl_step=rl_step, ahead=ahead,
-                                run_dir=run_dir if main else None)
+                                run_dir=run_dir if main else None, started=started)
         break
       except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
         progress.say(f"{e}; trying the one before it")

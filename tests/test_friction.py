@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import metrics, profiling
+from jaxrl import compile_cache, config, metrics, profiling
 from jaxrl.configs.default import get_config
 from jaxrl.data.sources import CheckedSource, RowProblem, TooManySkipped
 from jaxrl.envs.base import Task
@@ -308,3 +308,49 @@ def test_a_stream_that_skips_too_much_stops_training(tmp_path):
   assert "over data.max_skipped_frac=0.1: the longest prompt has 18 tokens" in message, message
   assert "over rollout.max_prompt_len=6" in message
   assert len([r for r in out.rows if r["phase"] == "rl"]) < cfg.train.steps
+
+
+# --- the persistent compilation cache (jaxrl.compile_cache) --------------------------------------
+
+def test_compile_cache_directory_is_resolved_from_the_setting():
+
+  assert compile_cache.resolve("") is None  # off
+  assert compile_cache.resolve("auto", {"JAX_COMPILATION_CACHE_DIR": "/ci/xla"}) == "/ci/xla"
+  assert compile_cache.resolve("auto", {"XDG_CACHE_HOME": "/xdg"}) == "/xdg/jaxrl/xla"
+  home = os.path.expanduser("~")
+  assert compile_cache.resolve("auto", {}) == os.path.join(home, ".cache", "jaxrl", "xla")
+  assert compile_cache.resolve("~/c", {}) == os.path.join(home, "c")
+
+
+def test_an_unusable_compile_cache_directory_is_a_config_error(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  cfg = get_config()
+  cfg.compile_cache = str(a_file / "cache")
+  with pytest.raises(config.ConfigError) as info:
+    config.validate(cfg, 8)
+  (problem,) = [p for p in info.value.problems if "compile_cache" in p]
+  assert f"{a_file} is not a directory" in problem, problem
+  cfg.compile_cache = str(tmp_path / "new" / "cache")  # created when the run starts
+  config.validate(cfg, 8)
+  assert not (tmp_path / "new").exists()  # validation creates nothing
+
+
+@pytest.mark.slow  # two whole tiny runs through the CLI (~60 s on 2 busy cores)
+def test_a_second_run_loads_every_program_from_the_compile_cache(tmp_path):
+  cache = tmp_path / "xla"
+  args = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+          "--config.sft.max_steps=10", "--config.train.steps=3", "--config.val.every=100",
+          "--config.task.dev_size=64", "--config.task.val_size=64", "--config.val.batch_size=64",
+          "--config.rollout.num_prompts=4", f"--config.compile_cache={cache}"]
+  entries = []
+  for i in range(2):
+    proc = _train([*args, f"--config.run_dir={tmp_path / f'run{i}'}"], tmp_path,
+                  log_compiles="0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first RL step done" in proc.stdout and str(cache) in proc.stdout, proc.stdout
+    with open(tmp_path / f"run{i}" / "summary.json") as f:
+      assert json.load(f)["startup/first_rl_step_s"] > 0
+    entries.append(sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")))
+  assert len(entries[0]) > 10  # every program of the run, however small
+  assert entries[1] == entries[0]  # the second run found every one of them: nothing new

@@ -1,0 +1,72 @@
+"""The persistent compilation cache: a second run of the same programs loads them from disk.
+
+On by default (`compile_cache = "auto"`): `$JAX_COMPILATION_CACHE_DIR` when set, else
+`$XDG_CACHE_HOME/jaxrl/xla` (`~/.cache/jaxrl/xla`). A path puts it there; `""` turns it off.
+Every program is cached, however fast it compiled: a run compiles dozens of small programs
+(sampling, the data plane, evaluation), and together they are most of its start-up. The cache
+evicts its least recently used entries beyond `MAX_BYTES`. XLA's cache key covers the program,
+the devices, the backend and `XLA_FLAGS`, so runs on other device counts or instruction sets never
+share an entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+MAX_BYTES = 4 << 30
+
+
+def resolve(setting: str, env: Mapping[str, str] | None = None) -> str | None:
+  """The cache directory `setting` means (None: no cache)."""
+  env = os.environ if env is None else env
+  setting = setting.strip()
+  if not setting:
+    return None
+  if setting != "auto":
+    return os.path.abspath(os.path.expanduser(setting))
+  if env.get("JAX_COMPILATION_CACHE_DIR", "").strip():
+    return os.path.abspath(os.path.expanduser(env["JAX_COMPILATION_CACHE_DIR"].strip()))
+  base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxrl", "xla")
+
+
+def problem(setting: str, env: Mapping[str, str] | None = None) -> str | None:
+  """Why an explicit cache directory cannot be used (None: fine, or "auto"/"" which never fail
+  the run): it must be a directory this user can create and write."""
+  if setting.strip() in ("", "auto"):
+    return None
+  path = resolve(setting, env)
+  probe = path
+  while not os.path.exists(probe):
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      break
+    probe = parent
+  if not os.path.isdir(probe):
+    return f"{probe} is not a directory"
+  if not os.access(probe, os.W_OK | os.X_OK):
+    return f"{probe} is not writable"
+  return None
+
+
+def enable(setting: str, env: Mapping[str, str] | None = None) -> str | None:
+  """Points JAX's persistent cache at `resolve(setting)`; returns the directory, or None when off
+  (or when "auto"'s directory cannot be created: a cache is never a reason to fail a run)."""
+  import jax
+
+  path = resolve(setting, env)
+  if path is None:
+    jax.config.update("jax_compilation_cache_dir", None)
+    return None
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    if setting.strip() == "auto":
+      return None
+    raise
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  return path
