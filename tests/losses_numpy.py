@@ -316,11 +316,38 @@ def counts(cfg, mask):
   return {name: count(name, mask) for name in reductions_of(cfg)}
 
 
+def distill_advantages(lp_teacher, lp_behaviour, mask, coef=1.0, seq_adv=None,
+                       reward_weight=0.0):
+  """A[b, t] = coef (lp_teacher - lp_behaviour) + reward_weight seq_adv[b] on masked-in tokens,
+  0 elsewhere (on-policy distillation's per-token reverse-KL advantage)."""
+  mask = np.asarray(mask, bool)
+  out = np.zeros(mask.shape)
+  for b, t in zip(*np.nonzero(mask)):
+    out[b, t] = coef * (f64(lp_teacher)[b, t] - f64(lp_behaviour)[b, t])
+    if seq_adv is not None:
+      out[b, t] += reward_weight * f64(seq_adv)[b]
+  return out
+
+
+def reverse_kl(lp, lp_teacher, mask):
+  """Row mean over rows with a token of sum_t (lp - lp_teacher)."""
+  mask = np.asarray(mask, bool)
+  rows = [(_clean(lp, mask)[b] - _clean(lp_teacher, mask)[b]).sum()
+          for b in range(mask.shape[0]) if mask[b].any()]
+  return float(np.mean(rows)) if rows else 0.0
+
+
 def objective(cfg, lp, lp_old, adv, mask, cnt, lp_gen=None, lp_ref=None, entropy=None,
-              lp_sg=None):
+              lp_sg=None, lp_teacher=None):
   """(loss, finalised metrics) of one micro-batch; `cnt` are the global counts."""
   mask = np.asarray(mask, bool)
   lp_sg = lp if lp_sg is None else lp_sg
+  distill = {}
+  if getattr(cfg, "distill_coef", 0.0) != 0:
+    behaviour = lp_gen if lp_gen is not None else lp_old
+    adv = distill_advantages(lp_teacher, behaviour, mask, cfg.distill_coef, adv,
+                             cfg.distill_reward_weight)
+    distill["distill/reverse_kl"] = reverse_kl(lp_sg, lp_teacher, mask)
   div = lambda s, red: s / max(cnt[red], 1.0)
   pol, ratio, clipped = policy(cfg.policy, lp, lp_old, adv, mask, cfg.eps_low, cfg.eps_high,
                                cfg.dual_clip, lp_sg=lp_sg,
@@ -369,6 +396,7 @@ def objective(cfg, lp, lp_old, adv, mask, cnt, lp_gen=None, lp_ref=None, entropy
     metrics["entropy"] = ent.ravel()[sel].mean() if sel.any() else 0.0
     loss -= cfg.entropy_coef * div(s, cfg.reduction)
   metrics["loss"] = loss
+  metrics.update(distill)
   return loss, metrics
 
 

@@ -10,12 +10,15 @@ Each name below is selectable by a config string from a small registry:
 - policy losses: `POLICY_LOSSES` (`ppo`, `gspo`, `cispo`, `sapo`, `reinforce`) via `policy_loss`;
 - off-policy corrections: `CORRECTIONS` via `combine` (names joined by `+` in configs);
 - reductions: `REDUCTIONS` via `reduce`, each returning `(sum, count)`;
+- on-policy distillation: per-token reverse-KL advantages against a teacher
+  (`reverse_kl_advantages`, `reverse_kl`);
 - the composed objective (`objective`, `ObjectiveConfig`) and mismatch metrics.
 """
 
 from jaxrl.losses import stats
 from jaxrl.losses.advantages import (ADVANTAGE_ESTIMATORS, clip_advantages, compute_advantages,
                                      dr_grpo, grpo, grpo_batch_std, rloo)
+from jaxrl.losses.distill import reverse_kl, reverse_kl_advantages
 from jaxrl.losses.corrections import (CORRECTIONS, WEIGHTING, Correction, CorrectionParams,
                                       combine, correction, parse_correction)
 from jaxrl.losses.kl import (KL_ESTIMATORS, importance_weight, importance_weighted_kl,
@@ -38,5 +41,6 @@ __all__ = [
     "cispo", "clip_advantages", "combine", "compute_advantages", "correction", "count", "dr_grpo",
     "global_counts", "grpo", "grpo_batch_std", "gspo", "importance_weight",
     "importance_weighted_kl", "kl_estimate", "mismatch_metrics", "nll", "objective",
-    "parse_correction", "policy_loss", "ppo", "reduce", "reinforce", "rloo", "sapo", "stats",
+    "parse_correction", "policy_loss", "ppo", "reduce", "reinforce", "reverse_kl",
+    "reverse_kl_advantages", "rloo", "sapo", "stats",
 ]

@@ -5,7 +5,8 @@
          + ref_kl_coef     * [ reduce(kl(lp, lp_ref)) / C_ref_kl ]
          - entropy_coef    * [ reduce(entropy) / C_policy ]
 
-`(w, keep)` come from the off-policy corrections and the optional sequence masking by
+With on-policy distillation (`distill_coef != 0`) the policy term's advantage is per token, from
+the teacher's log-probs (`jaxrl.losses.distill`). `(w, keep)` come from the off-policy corrections and the optional sequence masking by
 `seq_logprob_error_threshold`; each `C` is the *global* count of its reduction over the whole
 batch (`global_counts`), so summing this function over micro-batches gives the full-batch loss
 and gradient exactly, and a padding micro-batch (mask all False) adds exactly 0.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jaxrl.names import KL_REDUCTIONS as KL_REDUCTION_NAMES, check_registry
 from jaxrl.losses import corrections as corr
 from jaxrl.losses import stats as st
+from jaxrl.losses.distill import reverse_kl, reverse_kl_advantages
 from jaxrl.losses.kl import importance_weighted_kl, kl_estimate
 from jaxrl.losses.mismatch import mismatch_metrics
 from jaxrl.losses.policy import policy_loss
@@ -72,6 +74,10 @@ class ObjectiveConfig:
   ref_kl_importance_weighted: bool = False
   entropy_coef: float = 0.0
   seq_logprob_error_threshold: float | None = None  # mask rows with E_i above it
+  # On-policy distillation (`jaxrl.losses.distill`): with `distill_coef != 0` the policy term's
+  # advantage is per token, distill_coef (lp_teacher - lp_gen) + distill_reward_weight A_seq.
+  distill_coef: float = 0.0
+  distill_reward_weight: float = 0.0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     """The settings that need the sampler's log-probs (`lp_gen`), by their run-config key."""
@@ -100,12 +106,16 @@ def global_counts(cfg: ObjectiveConfig, mask: jax.Array) -> dict[str, jax.Array]
 
 def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.Array,
               mask: jax.Array, counts: dict[str, jax.Array], *, lp_gen: jax.Array | None = None,
-              lp_ref: jax.Array | None = None, entropy: jax.Array | None = None
-              ) -> tuple[jax.Array, st.Stats]:
+              lp_ref: jax.Array | None = None, entropy: jax.Array | None = None,
+              lp_teacher: jax.Array | None = None) -> tuple[jax.Array, st.Stats]:
   """This micro-batch's share of the loss, and its metric partials (see the module docstring).
 
   `lp_gen` is required when a correction, the rollout-KL term or the error threshold is on;
-  `lp_ref` when `ref_kl_coef != 0`; `entropy` when `entropy_coef != 0`.
+  `lp_ref` when `ref_kl_coef != 0`; `entropy` when `entropy_coef != 0`; `lp_teacher` when
+  `distill_coef != 0` (then `adv`, the task reward's `[B]` advantages, is replaced by the
+  per-token distillation advantages of `jaxrl.losses.distill.reverse_kl_advantages`, against
+  `lp_gen`, or `lp_old` without it, and the metric `distill/reverse_kl` is the row mean of the
+  summed `lp - lp_teacher`).
   """
   mask = jnp.asarray(mask, bool)
   div = lambda s, red: s / jnp.maximum(counts[red], 1.0)
@@ -117,6 +127,16 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
     raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
   if cfg.entropy_coef != 0 and entropy is None:
     raise ValueError("entropy_coef != 0 needs the per-token entropy")
+  distill_parts = []
+  if cfg.distill_coef != 0:
+    if lp_teacher is None:
+      raise ValueError("distill_coef != 0 needs the teacher's log-probs (lp_teacher)")
+    behaviour = jax.lax.stop_gradient(lp_gen if lp_gen is not None else lp_old)
+    adv = reverse_kl_advantages(lp_teacher, behaviour, mask, coef=cfg.distill_coef,
+                                seq_advantages=adv, reward_weight=cfg.distill_reward_weight)
+    distill_parts.append(st.Stats(
+        {"distill/reverse_kl": reverse_kl(jax.lax.stop_gradient(lp), lp_teacher, mask)},
+        {}, {}, {}))
 
   kw = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
   if cfg.policy == "sapo":
@@ -125,7 +145,7 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
     raise ValueError(f"unknown ratio_base {cfg.ratio_base!r}; expected 'trainer' or 'rollout'")
   ratio_base = lp_gen if cfg.ratio_base == "rollout" else lp_old
   pol = policy_loss(cfg.policy, lp, ratio_base, adv, mask, **kw)
-  parts = []
+  parts = distill_parts
   weight, keep = jnp.ones(mask.shape, jnp.float32), mask
   if lp_gen is not None:
     mm, keep_rows = mismatch_metrics(lp_old, lp_gen, mask, cfg.seq_logprob_error_threshold)
