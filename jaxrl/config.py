@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Collection
 from typing import Any
 
@@ -280,6 +281,18 @@ def shared_prompts(cfg) -> int:
   return g if cfg.train.share_prompts and g > 1 else 0
 
 
+def _resolve_tasks(good: dict[str, Any], problems: list[str]) -> None:
+  """Registers the names of `task.name` that belong to a task family (`reasoning_gym:<dataset>`,
+  `jaxrl.envs.registry.register_family`); a name the family refuses (an unknown dataset, a
+  missing package) is one problem line, and `task.name` then takes no part in later checks."""
+  if "task.name" not in good:
+    return
+  refused = [why for why in map(registry.resolve, good["task.name"].split("+")) if why]
+  if refused:
+    problems.extend(f"{PREFIX}task.name: {why}" for why in refused)
+    del good["task.name"]
+
+
 def _check_task(good: dict[str, Any], problems: list[str]) -> None:
   """What the tasks of `task.name` need from the rest of the config: the generic rules here, each
   task's own through its registration (`jaxrl.envs.registry`).
@@ -372,11 +385,15 @@ def validate(cfg: ConfigDict, num_devices: int,
   check_schema(cfg, ref, flatten(ref).keys(), "", problems, good)
 
   rules = list(RULES)
+  if task_names is None:
+    _resolve_tasks(good, problems)
   known = sorted(registry.task_names() if task_names is None else task_names)
+  families = "".join(f" or '{f.pattern}'" for f in registry.FAMILIES.values()
+                     ) if task_names is None else ""
   rules.append(("task.name", (
       lambda v: all(n in known for n in v.split("+")) and len(set(v.split("+"))) ==
       len(v.split("+")),
-      f"one of {known}, or several distinct ones joined by '+' (mixed per row)")))
+      f"one of {known}{families}, or several distinct ones joined by '+' (mixed per row)")))
   backends = sinks.backend_names()  # a recipe file may register more (jaxrl.sinks)
   rules.append((sinks.KEY, (lambda v: all(n in backends for n in sinks.parse_backends(v)),
                             f"a comma list of {backends}")))
@@ -460,6 +477,14 @@ def validate(cfg: ConfigDict, num_devices: int,
   preflight.check_hf(good, flatten(ref), problems)
   _check_task(good, problems)
   preflight.check_run_dir(good, problems)
+  teacher = good.get("distill.teacher", "")
+  if teacher:
+    if not os.path.isfile(os.path.join(teacher, "config.json")):
+      problems.append(f"{PREFIX}distill.teacher: {teacher!r} has no config.json: give a jaxrl "
+                      "run directory or a Hugging Face model directory")
+    elif good.get("distill.coef") == 0:
+      problems.append(f"{PREFIX}distill.coef: 0 with {PREFIX}distill.teacher set gives the "
+                      "teacher no say; set a coefficient or leave distill.teacher empty")
   if "compile_cache" in good:
     why = compile_cache.problem(good["compile_cache"])
     if why:

@@ -10,6 +10,7 @@ table and suggestions for `--config.` arguments. No jax is imported here.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 from collections.abc import Callable, Collection, Mapping
@@ -61,6 +62,13 @@ def _floats_ok(text: str) -> bool:
   except ValueError:
     return False
   return all(x >= 0 and x == x and x != float("inf") for x in w) and sum(w) > 0
+
+
+def _json_object_ok(text: str) -> bool:
+  try:
+    return isinstance(json.loads(text), dict)
+  except ValueError:
+    return False
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
@@ -156,6 +164,9 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.stall_timeout_s", _gt(0)),
     ("task.weights", (lambda v: v == "" or _floats_ok(v),
                       "'' (equal) or comma-separated numbers >= 0, not all 0")),
+    ("task.rg_config", (lambda v: v == "" or _json_object_ok(v),
+                        "'' or a JSON object keyed by reasoning-gym dataset name, e.g. "
+                        "'{\"basic_arithmetic\": {\"max_terms\": 3}}'")),
     ("resume", (lambda v: v in ("auto", "none") or os.path.isdir(v),
                 "'auto', 'none' or an existing directory (a run directory or its "
                 "checkpoints/)")),

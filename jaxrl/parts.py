@@ -20,6 +20,7 @@ from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
 from jaxrl import parallel
+from jaxrl import teacher as teacher_lib
 from jaxrl.data import left_pad
 from jaxrl.data.sources import CheckedSource, MixedSource, RowProblem, SkipReport
 from jaxrl.data.tokenizer import CharTokenizer
@@ -74,6 +75,8 @@ class Parts:
   data: DataPlane  # rows of partitions `train` and `val`: metadata here, arrays on `mesh`
   budget: Budget
   val_loop: MultiTurn  # evaluation's multi-turn loop (never partial)
+  # On-policy distillation's frozen teacher on `mesh` (`distill.teacher`), or None.
+  teacher: object = None
 
   def train_loop(self, newest: NewestParams | None = None,
                  mesh: jax.sharding.Mesh | None = None) -> MultiTurn:
@@ -227,6 +230,9 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
     graphdef, params = init_model(model_cfg, cfg.seed)
     params = shard_params(params, mesh)
+  teacher = None
+  if cfg.distill.teacher:
+    teacher = teacher_lib.load(cfg, tok, model_cfg.vocab_size, mesh)
   r = cfg.rollout
   budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                   max_total_tokens=r.max_total_tokens or r.max_new_tokens, max_turns=r.max_turns)
@@ -236,5 +242,5 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
   parts = Parts(cfg=cfg, task=getattr(source, "task", None), tok=tok, envs=envs, source=checked,
                 mesh=mesh, rollout_mesh=rollout_mesh, model_cfg=model_cfg, graphdef=graphdef,
                 rollout_shardings=parallel.param_shardings(params, rollout_mesh),
-                data=DataPlane(mesh), budget=budget, val_loop=val_loop)
+                data=DataPlane(mesh), budget=budget, val_loop=val_loop, teacher=teacher)
   return parts, params

@@ -43,7 +43,9 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
       ref_kl_coef=cfg.ref_kl.coef, ref_kl_estimator=cfg.ref_kl.estimator,
       ref_kl_reduction=cfg.ref_kl.reduction,
       ref_kl_importance_weighted=cfg.ref_kl.importance_weighted, entropy_coef=lo.entropy_coef,
-      seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None)
+      seq_logprob_error_threshold=lo.seq_logprob_error_threshold or None,
+      distill_coef=cfg.distill.coef if cfg.distill.teacher else 0.0,
+      distill_reward_weight=cfg.distill.reward_weight)
   a = cfg.advantage
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
                     adv_ddof=a.std_ddof, adv_clip=a.clip or None,
@@ -61,7 +63,9 @@ def build_rl_step(parts, params) -> tuple[Callable, Callable]:
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                        schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
   step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
-  return build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params)
+  teacher = getattr(parts, "teacher", None)
+  return build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params,
+                          teacher=None if teacher is None else (teacher.graphdef, teacher.params))
 
 
 def rl_batch_spec(cfg) -> TrainBatch:

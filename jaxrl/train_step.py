@@ -177,7 +177,7 @@ def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: 
 
 
 def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, ref_params,
-                      cfg: StepConfig):
+                      cfg: StepConfig, teacher=None):
   o = cfg.objective
   if cfg.loss == "sft":
     logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False)
@@ -191,9 +191,15 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
   if ref_params is not None:
     lp_ref, _ = completion_logprobs(graphdef, ref_params, batch, cfg, with_entropy=False)
     lp_ref = jax.lax.stop_gradient(lp_ref)
+  lp_teacher = None
+  if teacher is not None and o.distill_coef != 0:
+    t_graphdef, t_params = teacher
+    lp_teacher, _ = completion_logprobs(t_graphdef, t_params, batch, cfg, with_entropy=False)
+    lp_teacher = jax.lax.stop_gradient(lp_teacher)
   # One update per batch: the "old" policy is the current one, so r = 1 with its gradient.
   return losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask, counts,
-                          lp_gen=batch.rollout_logprobs, lp_ref=lp_ref, entropy=entropy)
+                          lp_gen=batch.rollout_logprobs, lp_ref=lp_ref, entropy=entropy,
+                          lp_teacher=lp_teacher)
 
 
 def _split(x: jax.Array, m: int, group: int = 1) -> jax.Array:
@@ -219,18 +225,22 @@ def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
 
 
 def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
-               row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
+               row_sharding: NamedSharding | None = None, teacher=None
+               ) -> tuple[TrainState, dict]:
   """Pure step; see the module docstring. `row_sharding` constrains each micro-batch's rows and,
-  through its mesh, the model's activations."""
+  through its mesh, the model's activations. `teacher`: `(graphdef, params)` of on-policy
+  distillation's frozen teacher, scoring every completion token (`objective.distill_coef`)."""
   if row_sharding is not None:
     with jax.sharding.use_abstract_mesh(row_sharding.mesh.abstract_mesh):
       return _train_step(state, batch, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
-                         row_sharding=row_sharding)
-  return _train_step(state, batch, graphdef=graphdef, optimizer=optimizer, cfg=cfg)
+                         row_sharding=row_sharding, teacher=teacher)
+  return _train_step(state, batch, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
+                     teacher=teacher)
 
 
 def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
-                row_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
+                row_sharding: NamedSharding | None = None, teacher=None
+                ) -> tuple[TrainState, dict]:
   m = cfg.num_microbatches
   group = shared_group(cfg, batch.tokens.shape[0])
   cfg = dataclasses.replace(cfg, shared_prompts=group)
@@ -251,13 +261,14 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
     mb_batch, mb_adv = mb
     if row_sharding is not None:
       mb_batch, mb_adv = jax.lax.with_sharding_constraint((mb_batch, mb_adv), row_sharding)
-    (_, stats), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, counts, ref_params, cfg)
+    (_, stats), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, counts, ref_params, cfg,
+                                teacher)
     g_acc, s_acc = acc
     return (jax.tree.map(jnp.add, g_acc, grads), losses.stats.merge(s_acc, stats)), None
 
   _, stats0 = jax.eval_shape(
       lambda: _loss_and_metrics(state.params, graphdef, jax.tree.map(lambda x: x[0], micro[0]),
-                                micro[1][0], counts, ref_params, cfg))
+                                micro[1][0], counts, ref_params, cfg, teacher))
   # Identity elements: maxes start at -inf and mins at +inf, so empty micro-batches are neutral.
   fill = losses.stats.Stats(
       *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
@@ -297,12 +308,14 @@ def check_batch(batch: TrainBatch, cfg: StepConfig) -> None:
                      "sampler's log-probs")
 
 
-def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params
-                     ) -> tuple[Callable, Callable]:
+def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params, *,
+                     teacher=None) -> tuple[Callable, Callable]:
   """Jits the step for `mesh`. Returns (step_fn, init_state_fn(params) -> TrainState).
 
   The optimizer state is created directly with its sharding: `jit(optimizer.init)` alone would
-  put it on one device.
+  put it on one device. `teacher`: `(graphdef, params)` of a frozen distillation teacher on
+  `mesh` (not part of the train state, so not in checkpoints: it is loaded from its source);
+  the jitted step takes its params as a third argument (`step.extra_args`).
   """
   p_sh = parallel.param_shardings(params, mesh)
   rep = parallel.replicated(mesh)
@@ -326,17 +339,24 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params
       ref_params = None
     return init_jit(p, ref_params)
 
+  if teacher is None:
+    extra, extra_sh, t_graphdef = (), (), None
+  else:
+    t_graphdef, t_params = teacher
+    extra, extra_sh = (t_params,), (parallel.param_shardings(t_params, mesh),)
   step_jit = jax.jit(
-      lambda s, b: train_step(s, b, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
-                              row_sharding=row),
-      in_shardings=(state_sh, row), out_shardings=(state_sh, rep),
+      lambda s, b, *t: train_step(s, b, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
+                                  row_sharding=row,
+                                  teacher=(t_graphdef, t[0]) if t else None),
+      in_shardings=(state_sh, row, *extra_sh), out_shardings=(state_sh, rep),
       donate_argnums=(0,),
   )
 
   def step(state, batch):
     check_batch(batch, cfg)
-    return step_jit(state, batch)
+    return step_jit(state, batch, *extra)
 
+  step.extra_args = extra
   step.jitted = step_jit  # for compile counting and lowering
   step.state_shardings = state_sh
   step.batch_sharding = row
@@ -354,7 +374,8 @@ def compile_step(step, init_state, params, batch: TrainBatch) -> None:
                                                   weak_type=getattr(a, "weak_type", False))
   state = jax.tree.map(spec, jax.eval_shape(init_state, params), step.state_shardings)
   batch = jax.tree.map(lambda a: spec(a, step.batch_sharding), batch)
-  step.jitted.lower(state, batch).compile()
+  extra = jax.tree.map(lambda a: spec(a, a.sharding), getattr(step, "extra_args", ()))
+  step.jitted.lower(state, batch, *extra).compile()
 
 
 def shard_params(params, mesh: Mesh):

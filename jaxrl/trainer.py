@@ -321,6 +321,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
                  f"{jax.devices()[0].platform}")
+    if parts.teacher is not None:
+      d = cfg.distill
+      progress.say(f"distillation: teacher {parts.teacher.source}, coef {d.coef}, task reward "
+                   f"weight {d.reward_weight}")
     note = parts.source.note()  # rows the checks up front skip (data.max_skipped_frac)
     if note:
       progress.say(note)

@@ -138,3 +138,75 @@ def test_a_categorical_student_learns_its_teacher_from_its_own_samples():
     lp_gen = jax.nn.log_softmax(logits)[tokens][:, None]
     logits = logits - 1.0 * grad(logits, tokens, lp_gen)
   assert kl(logits) < start / 10, (start, kl(logits))
+
+
+# --- the teacher in a run (python -m jaxrl.train) -------------------------------------------------
+
+def _train(args, cwd):
+  import subprocess
+  import sys
+
+  return subprocess.run([sys.executable, "-m", "jaxrl.train", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=600)
+
+
+TINY = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+        "--config.task.dev_size=64", "--config.task.val_size=64", "--config.val.batch_size=64",
+        "--config.rollout.num_prompts=4", "--config.val.every=100", "--config.sft.eval_every=10"]
+
+
+@pytest.mark.slow  # three tiny runs through the CLI (~90 s on 2 busy cores)
+def test_a_run_distils_from_a_teacher_run_and_a_foreign_teacher_is_refused(tmp_path):
+  import json
+
+  teacher = tmp_path / "teacher"
+  proc = _train([*TINY, "--config.sft.max_steps=30", "--config.train.steps=2",
+                 f"--config.run_dir={teacher}"], tmp_path)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+
+  student = tmp_path / "student"
+  proc = _train([*TINY, "--config.sft.enabled=false", "--config.train.steps=3",
+                 "--config.val.at_start=false", f"--config.distill.teacher={teacher}",
+                 f"--config.run_dir={student}"], tmp_path)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert f"distillation: teacher {teacher} (jaxrl run, checkpoint 2)" in proc.stdout, proc.stdout
+  rows = [json.loads(line) for line in (student / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert len(rl) == 3
+  # A warmed-up teacher and a random student disagree: the sampled reverse KL is positive.
+  assert all(np.isfinite(r["distill/reverse_kl"]) and r["distill/reverse_kl"] > 0 for r in rl)
+  assert all(r["grad_norm"] > 0 for r in rl)  # dense credit even where rewards do not vary
+
+  # A teacher trained on another task has another tokenizer (countdown's 30 characters against
+  # add's 14): refused by name, in one line, before the run directory exists.
+  other = tmp_path / "other"
+  proc = _train([*TINY, "--config.task.name=countdown", "--config.rollout.max_prompt_len=28",
+                 "--config.sft.enabled=false",
+                 "--config.train.steps=1", f"--config.run_dir={other}"], tmp_path)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  refused = tmp_path / "refused"
+  proc = _train([*TINY, "--config.sft.enabled=false", "--config.train.steps=1",
+                 f"--config.distill.teacher={other}", f"--config.run_dir={refused}"], tmp_path)
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  assert "config.distill.teacher" in proc.stderr and "30 tokens" in proc.stderr and \
+      "14 tokens" in proc.stderr, proc.stderr
+  assert "Traceback" not in proc.stderr and not refused.exists()
+
+
+def test_distill_keys_are_checked_before_anything_is_built(tmp_path):
+  from jaxrl.config import ConfigError, validate
+  from jaxrl.configs.default import get_config
+
+  cfg = get_config()
+  cfg.distill.teacher = str(tmp_path)  # no config.json there
+  with pytest.raises(ConfigError) as info:
+    validate(cfg, 8)
+  assert any(p.startswith("config.distill.teacher:") and "has no config.json" in p
+             for p in info.value.problems), info.value.problems
+  (tmp_path / "config.json").write_text("{}")
+  cfg.distill.coef = 0.0
+  with pytest.raises(ConfigError) as info:
+    validate(cfg, 8)
+  assert any(p.startswith("config.distill.coef:") for p in info.value.problems)
+  cfg.distill.coef = 0.5
+  validate(cfg, 8)

@@ -86,13 +86,18 @@ def get_config() -> ConfigDict:
   c.tokenizer.system_prompt = ""  # a system message before every prompt; "" = the template's own
 
   c.task = ConfigDict()
-  # Built-in task: add | countdown | guess (multi-turn) | math; several joined by "+" (e.g.
-  # "add+guess") are mixed per row, drawn with task.weights.
+  # Built-in task: add | countdown | guess (multi-turn) | math | reasoning_gym:<dataset> (any
+  # reasoning-gym dataset, extra `reasoning_gym`); several joined by "+" (e.g. "add+guess") are
+  # mixed per row, drawn with task.weights.
   c.task.name = "add"
   c.task.weights = ""  # "" = equal; else comma-separated, one per task (e.g. "3,1")
   c.task.path = ""  # task "math": JSONL file of {"question", "answer"} rows (GSM8K style)
   c.task.val_path = ""  # task "math": held-out JSONL; "" = a seeded 10% of task.path
   c.task.instruction = ""  # task "math": appended to every question on a new line
+  # Tasks "reasoning_gym:<dataset>": "" (defaults) or a JSON object keyed by dataset name, each
+  # value that dataset's config arguments ("size" = its training rows; the seed is config.seed),
+  # e.g. '{"basic_arithmetic": {"max_terms": 3}}'.
+  c.task.rg_config = ""
   c.task.num_digits = 2  # operands are zero-padded to this many digits
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
   c.task.val_size = 1000  # held-out split used only for reported accuracy
@@ -244,6 +249,16 @@ def get_config() -> ConfigDict:
   # Multiply the per-token KL by the policy ratio pi / pi_old (the loss's ratio, with gradient):
   # unbiased when samples are off policy (TRL's use_bias_correction_kl).
   c.ref_kl.importance_weighted = False
+
+  # On-policy distillation (jaxrl.losses.distill): a frozen teacher with the student's tokenizer
+  # scores every sampled token, and the policy term's advantage becomes per token,
+  # coef (log p_teacher - log p_sampler) + reward_weight A_task (the task's own advantage).
+  c.distill = ConfigDict()
+  # "" = off; a jaxrl run directory (its newest checkpoint's policy, its config.json's model) or
+  # a Hugging Face model directory (config.json + safetensors).
+  c.distill.teacher = ""
+  c.distill.coef = 1.0
+  c.distill.reward_weight = 0.0  # 0 = distillation alone; > 0 mixes in the task reward
 
   # Validation on the held-out `val` split, through the same multi-turn loop as training.
   c.val = ConfigDict()

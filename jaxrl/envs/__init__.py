@@ -10,6 +10,8 @@ task with demonstrations. Built in:
   countdown  single turn  reach a target with + - * / over given numbers (safe parser)
   math       single turn  GSM8K-style final-answer check (exact, or math-verify if installed)
   guess      multi-turn   find a secret number from higher/lower hints
+  reasoning_gym:<dataset>  single turn  a reasoning-gym dataset, graded by its own scorer
+             (optional: `pip install "jaxrl[reasoning_gym]"`; registered when first named)
 """
 
 from jaxrl.envs.arithmetic import AddEnvironment, AddSource, AdditionTask, Problem
@@ -18,6 +20,8 @@ from jaxrl.envs.base import (AsyncEnvironment, Environment, StepResult, Task, Tu
 from jaxrl.envs.countdown import CountdownEnvironment, CountdownSource
 from jaxrl.envs.guess import GuessEnvironment, GuessSource
 from jaxrl.envs.mathqa import MathEnvironment, MathSource
+# Registers the `reasoning_gym:` family; reasoning-gym itself is imported only when one is named.
+from jaxrl.envs import reasoning_gym as _reasoning_gym  # noqa: F401
 from jaxrl.envs.registry import (ENVIRONMENTS, TASKS, Registration, make_env, make_source,
                                  register, task_names)
 

@@ -11,6 +11,10 @@ file can register its own task before the run validates its config: `python -m j
 --config my_recipe.py` (README, "Your own task"). The registry imports no jax: config validation
 asks it.
 
+A family of tasks named `<prefix>:<name>` (e.g. `reasoning_gym:leg_counting`) registers one
+resolver (`register_family`) instead of every name: a name of the family is registered when first
+used (`resolve`, called by config validation, `make_env` and `make_source`).
+
 A separate module (not `jaxrl/envs/__init__.py`) so environment modules register themselves at
 import without importing the package that imports them.
 """
@@ -73,6 +77,45 @@ def register(name: str, *, source: Callable[[Any], Any] | None = None,
   return deco
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """Tasks named `<prefix>:<rest>`, registered on first use.
+
+  resolve: `resolve(name) -> problem | None` registers task `name` (with `register`) and returns
+    None, or returns why it cannot (one line, without the config key: the caller adds it).
+  pattern: how a name of the family looks, for messages (e.g. "reasoning_gym:<dataset>").
+  """
+  prefix: str
+  resolve: Callable[[str], str | None]
+  pattern: str
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(prefix: str, resolve: Callable[[str], str | None], pattern: str) -> None:
+  """Registers the family of task names `<prefix>:<rest>` (see `Family`)."""
+  if not prefix or ":" in prefix or "+" in prefix:
+    raise ValueError(f"a family prefix is a non-empty string without ':' or '+', got {prefix!r}")
+  FAMILIES[prefix] = Family(prefix, resolve, pattern)
+
+
+def resolve(name: str) -> str | None:
+  """Registers task `name` if it belongs to a family and is not registered yet. None: nothing to
+  do (registered already, or no family's name: the caller reports unknown names); else the
+  family's problem with the name."""
+  if name in TASKS or ":" not in name:
+    return None
+  family = FAMILIES.get(name.split(":", 1)[0])
+  return None if family is None else family.resolve(name)
+
+
+def _resolved(name: str) -> None:
+  problem = resolve(name)
+  if problem is not None:
+    raise KeyError(problem)
+
+
 def task_names() -> tuple[str, ...]:
   """Names a run's `task.name` may use: the registered tasks that have a source."""
   return tuple(sorted(n for n, r in TASKS.items() if r.source is not None))
@@ -80,6 +123,7 @@ def task_names() -> tuple[str, ...]:
 
 def make_env(name: str, **kwargs: Any):
   """A new environment instance; an unknown name is a KeyError listing the known ones."""
+  _resolved(name)
   try:
     cls = ENVIRONMENTS[name]
   except KeyError:
@@ -89,6 +133,7 @@ def make_env(name: str, **kwargs: Any):
 
 def make_source(name: str, cfg: Any):
   """The rows of task `name` for run config `cfg` (its registered `source`)."""
+  _resolved(name)
   reg = TASKS.get(name)
   if reg is None or reg.source is None:
     raise KeyError(f"unknown task {name!r}; registered: {list(task_names())}")
