@@ -281,16 +281,20 @@ def shared_prompts(cfg) -> int:
   return g if cfg.train.share_prompts and g > 1 else 0
 
 
-def _resolve_tasks(good: dict[str, Any], problems: list[str]) -> None:
+def _resolve_tasks(good: dict[str, Any], problems: list[str]) -> set[str]:
   """Registers the names of `task.name` that belong to a task family (`reasoning_gym:<dataset>`,
-  `jaxrl.envs.registry.register_family`); a name the family refuses (an unknown dataset, a
-  missing package) is one problem line, and `task.name` then takes no part in later checks."""
+  `jaxrl.envs.registry.register_family`) and returns them; a name the family refuses (an unknown
+  dataset, a missing package) is one problem line, and `task.name` then takes no part in later
+  checks."""
   if "task.name" not in good:
-    return
-  refused = [why for why in map(registry.resolve, good["task.name"].split("+")) if why]
+    return set()
+  names = [n for n in good["task.name"].split("+") if registry.in_family(n)]
+  refused = [why for why in map(registry.resolve, names) if why]
   if refused:
     problems.extend(f"{PREFIX}task.name: {why}" for why in refused)
     del good["task.name"]
+    return set()
+  return set(names)
 
 
 def _check_task(good: dict[str, Any], problems: list[str]) -> None:
@@ -385,13 +389,15 @@ def validate(cfg: ConfigDict, num_devices: int,
   check_schema(cfg, ref, flatten(ref).keys(), "", problems, good)
 
   rules = list(RULES)
-  if task_names is None:
-    _resolve_tasks(good, problems)
   known = sorted(registry.task_names() if task_names is None else task_names)
-  families = "".join(f" or '{f.pattern}'" for f in registry.FAMILIES.values()
-                     ) if task_names is None else ""
+  families = ""
+  if task_names is None:  # names of task families, registered as they are met
+    known_here = set(known) | _resolve_tasks(good, problems)
+    families = "".join(f" or '{f.pattern}'" for f in registry.FAMILIES.values())
+  else:
+    known_here = set(known)
   rules.append(("task.name", (
-      lambda v: all(n in known for n in v.split("+")) and len(set(v.split("+"))) ==
+      lambda v: all(n in known_here for n in v.split("+")) and len(set(v.split("+"))) ==
       len(v.split("+")),
       f"one of {known}{families}, or several distinct ones joined by '+' (mixed per row)")))
   backends = sinks.backend_names()  # a recipe file may register more (jaxrl.sinks)

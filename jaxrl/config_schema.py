@@ -67,7 +67,7 @@ def _floats_ok(text: str) -> bool:
 def _json_object_ok(text: str) -> bool:
   try:
     return isinstance(json.loads(text), dict)
-  except ValueError:
+  except (ValueError, RecursionError):  # RecursionError: nested past the parser's stack
     return False
 
 

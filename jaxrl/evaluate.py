@@ -87,7 +87,10 @@ def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
     raise config_lib.ConfigError(problems)
   if args.task is not None:
     cfg.task.name = args.task
-  unknown = [n for n in cfg.task.name.split("+") if n not in registry.task_names()]
+  # Names of a task family (`reasoning_gym:<dataset>`) are resolved by validation, which names
+  # an unknown one with its close matches.
+  unknown = [n for n in cfg.task.name.split("+")
+             if n not in registry.task_names() and not registry.in_family(n)]
   if unknown:
     raise UserError(f"unknown task {', '.join(map(repr, unknown))}; registered tasks: "
                     f"{', '.join(registry.task_names())} (several joined by '+')")

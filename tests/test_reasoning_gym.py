@@ -18,7 +18,7 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.configs.default import get_config
-from jaxrl.envs import Turn, call_step, make_env, make_source
+from jaxrl.envs import Turn, call_step, make_env, make_source, registry
 from test_cli import _train
 
 ARITH, LEGS = "reasoning_gym:basic_arithmetic", "reasoning_gym:leg_counting"
@@ -27,6 +27,17 @@ RG_CONFIG = {"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 
                                   "max_digits": 1, "operators": ["+", "*"],
                                   "allow_parentheses": False, "allow_negation": False},
              "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 3}}
+
+
+@pytest.fixture(autouse=True)
+def _registry_as_found():
+  """Task names resolved here are dropped afterwards: other tests check the registry's exact
+  contents in the same process."""
+  saved = dict(registry.TASKS), dict(registry.ENVIRONMENTS)
+  yield
+  for table, before in zip((registry.TASKS, registry.ENVIRONMENTS), saved):
+    table.clear()
+    table.update(before)
 
 
 def _cfg(**task):

@@ -120,7 +120,7 @@ class ReasoningGymSource:
     self.dataset, self.name = dataset, name or PREFIX + dataset
     total = val_size + dev_size + train_size
     self.config = json.dumps({**config, "seed": seed, "size": total}, sort_keys=True)
-    self.data = _dataset(dataset, self.config)
+    self.rg_dataset = _dataset(dataset, self.config)
     from reasoning_gym.utils import SYSTEM_PROMPTS
     self.instruction = SYSTEM_PROMPTS["default"].strip()
     self.ranges = {"val": (0, val_size), "dev": (val_size, val_size + dev_size),
@@ -132,7 +132,7 @@ class ReasoningGymSource:
   def row(self, split: str, index: int) -> Task:
     """The task of dataset row `index` (split `split` names its uid)."""
     try:
-      entry = self.data[index]
+      entry = self.rg_dataset[index]
     except Exception as e:  # a generator bug: name the dataset and the row
       raise RuntimeError(f"reasoning-gym dataset {self.dataset!r} could not generate row "
                          f"{index} ({_one_line(e)})") from e

@@ -116,9 +116,16 @@ def _resolved(name: str) -> None:
     raise KeyError(problem)
 
 
+def in_family(name: str) -> bool:
+  """Whether `name` is `<prefix>:<rest>` of a registered family."""
+  return ":" in name and name.split(":", 1)[0] in FAMILIES
+
+
 def task_names() -> tuple[str, ...]:
-  """Names a run's `task.name` may use: the registered tasks that have a source."""
-  return tuple(sorted(n for n, r in TASKS.items() if r.source is not None))
+  """Names a run's `task.name` may use: the registered tasks that have a source. A family's
+  names are not listed (they are as many as the family says; see `FAMILIES`), even once
+  registered, so the list does not depend on what a process has resolved."""
+  return tuple(sorted(n for n, r in TASKS.items() if r.source is not None and not in_family(n)))
 
 
 def make_env(name: str, **kwargs: Any):
