@@ -27,15 +27,17 @@ Measured per run, from the outside the same way for both: the whole command's wa
 to exit), the time to the first RL step's end (the moment its "first RL step done" line reaches
 this script's pipe; both print one), peak RSS of the process tree (psutil, every 50 ms, summed over
 the process and its children) and the kernel's `ru_maxrss` of the process (`os.wait4`); and from
-the run's own records: step 1's time, the median step time over steps 2-20, the rollout / train
-split (medians over steps 2-20), the mean `partial` reward and mean completion length in
-characters over steps 91-100 (scaled to the last 10 steps for `--steps`). Runs alternate
+the run's own records: step 1's time, the median step time over steps 2-20 and over steps 21 on
+(by then completions have shortened: TRL's shapes follow the longest completion of the batch,
+jaxrl's stay fixed), the rollout / train split (medians over the same windows), the time spent
+outside steps after the first (per-step logging, the run's end, exit), and the mean `partial`
+reward and completion length in characters over the last 10 steps (91-100). Runs alternate
 (TRL first in even pairs, jaxrl first in odd ones) so drift in this shared machine's speed does
 not favour one side. Prints ONE JSON object on stdout (progress on stderr): every run, medians
 over pairs, the jaxrl / TRL ratios against issue 22's targets, the differences between the two
 setups, and the exact commands.
 
-  python benchmarks/vs_trl.py                     # 3 pairs x (TRL, jaxrl lag 0/1 cold+warm), 100 steps
+  python benchmarks/vs_trl.py                     # 3 pairs x (TRL, jaxrl lag 0/1 cold+warm)
   python benchmarks/vs_trl.py --pairs 1 --lags 0  # one pair, lag 0 only
   python benchmarks/vs_trl.py --quick             # smoke run: 20 steps, 1 pair
 
@@ -84,6 +86,9 @@ GRPO = dict(prompts=8, group_size=8, max_new_tokens=16, temperature=1.0, epsilon
 MAX_PROMPT_TOKENS = 1 + len("99+99=")  # <bos> and the longest prompt: jaxrl's fixed prompt width
 FIRST_STEP_LINE = "first RL step done"  # printed by both sides (jaxrl.trainer; the TRL worker)
 STEP_WINDOW = (2, 20)  # steps whose median is the per-step time (step 1 compiles / warms up)
+# Steps after it: completions have shortened by then, which TRL's padded-to-the-longest shapes
+# follow and jaxrl's fixed shapes do not.
+LATE_FROM = 21
 TARGETS = {"step_time": 0.6, "wall_warm": 0.7, "wall_cold": 1.0, "peak_rss": 1.1}
 
 
@@ -119,6 +124,8 @@ def make_model(out_dir: str) -> dict:
   from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
   vocab = {t: i for i, t in enumerate(TOKENS)}
+  # WordLevel needs an unknown token; the vocabulary has none, and every prompt character is in
+  # it, so <pad> stands in (never produced by the prompts).
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   # Every character is its own word; decoding concatenates (no spaces between characters).
   tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -136,7 +143,8 @@ def make_model(out_dir: str) -> dict:
   n_params = sum(p.numel() for p in model.parameters())
   check = fast("12+34=")["input_ids"]
   return {"dir": out_dir, "files": sorted(os.listdir(out_dir)), "params": n_params,
-          "encode('12+34=')": check, "decode": fast.decode(check + [2, 0], skip_special_tokens=True)}
+          "encode('12+34=')": check,
+          "decode": fast.decode(check + [2, 0], skip_special_tokens=True)}
 
 
 # -- the TRL side (run under the TRL Python) -----------------------------------------------------
@@ -272,8 +280,9 @@ def run_measured(cmd: list[str], env: dict, log_path: str) -> dict:
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     reader.join(timeout=10)
-  return {"wall_s": wall, "returncode": proc.returncode, "load_avg_1m": load, "peak_rss_tree_mib": peak / 2**20,
-          "ru_maxrss_mib": usage.ru_maxrss / 1024, "first_step_done_s": (first_line_at or [None])[0],
+  return {"wall_s": wall, "returncode": proc.returncode, "load_avg_1m": load,
+          "peak_rss_tree_mib": peak / 2**20, "ru_maxrss_mib": usage.ru_maxrss / 1024,
+          "first_step_done_s": (first_line_at or [None])[0],
           "stdout": lines}
 
 
@@ -285,6 +294,24 @@ def median(xs):
 def window(xs: list, lo: int, hi: int) -> list:
   """Entries of 1-based steps lo..hi of a per-step list."""
   return xs[lo - 1:hi]
+
+
+def step_stats(step: list[float], rollout: list[float], train: list[float], wall: float,
+               first_done: float | None) -> dict:
+  """Per-step numbers of one run from its per-step times (seconds, step 1 first): step 1, the
+  medians over `STEP_WINDOW` and from `LATE_FROM` on, the sum of steps 2.., and what the whole
+  run spent outside steps after the first one ended (per-step logging, the end of the run, exit):
+  wall - first step done - steps 2.."""
+  late = slice(LATE_FROM - 1, None)
+  rest = sum(step[1:])
+  return {
+      "steps": len(step), "step1_s": step[0] if step else None,
+      "step_median_s": median(window(step, *STEP_WINDOW)),
+      "rollout_median_s": median(window(rollout, *STEP_WINDOW)),
+      "train_median_s": median(window(train, *STEP_WINDOW)),
+      "step_late_median_s": median(step[late]), "rollout_late_median_s": median(rollout[late]),
+      "train_late_median_s": median(train[late]), "steps_after_first_s": rest,
+      "outside_steps_s": None if first_done is None else wall - first_done - rest}
 
 
 def tail_window(steps: int) -> tuple[int, int]:
@@ -316,18 +343,16 @@ def trl_run(args, model_dir: str, work: str, tag: str, seed: int) -> dict:
   train = [s - g for s, g in zip(times, rollout)]
   lo, hi = tail_window(args.steps)
   calls = r["per_call"]
+  out.update(step_stats(times, rollout, train, m["wall_s"], m["first_step_done_s"]))
   out.update({
-      "steps": len(times), "step1_s": times[0] if times else None,
-      "step_median_s": median(window(times, *STEP_WINDOW)),
-      "rollout_median_s": median(window(rollout, *STEP_WINDOW)),
-      "train_median_s": median(window(train, *STEP_WINDOW)),
       "reward_last10": statistics.fmean(c["reward"] for c in window(calls, lo, hi)),
       "chars_last10": statistics.fmean(c["chars"] for c in window(calls, lo, hi)),
       "tokens_last10": statistics.fmean(h["completions/mean_length"]
                                         for h in window(r["log_history"], lo, hi)),
       "trl_logged_reward_last10": statistics.fmean(h["reward"]
                                                    for h in window(r["log_history"], lo, hi)),
-      "trainer_train_s": r["train_call_s"], "versions": r["versions"], "torch_threads": r["threads"],
+      "trainer_train_s": r["train_call_s"], "versions": r["versions"],
+      "torch_threads": r["threads"],
       "optim": r["optim"], "optimizer": r["optimizer"], "eos_token_ids": r["eos_token_ids"]})
   return out
 
@@ -358,11 +383,9 @@ def jaxrl_run(args, model_dir: str, work: str, tag: str, cache: str, lag: int, s
   step = [r["perf/step_time_s"] for r in rl]
   lo, hi = tail_window(args.steps)
   tail = window(rl, lo, hi)
+  out.update(step_stats(step, [r["perf/rollout_s"] for r in rl], [r["perf/train_s"] for r in rl],
+                        m["wall_s"], m["first_step_done_s"]))
   out.update({
-      "steps": len(rl), "step1_s": step[0] if step else None,
-      "step_median_s": median(window(step, *STEP_WINDOW)),
-      "rollout_median_s": median(window([r["perf/rollout_s"] for r in rl], *STEP_WINDOW)),
-      "train_median_s": median(window([r["perf/train_s"] for r in rl], *STEP_WINDOW)),
       "wait_median_s": median(window([r["perf/wait_s"] for r in rl], *STEP_WINDOW)),
       "reward_last10": statistics.fmean(r["reward"] for r in tail),
       "chars_last10": statistics.fmean(r["env/metadata/chars"] for r in tail),
@@ -413,7 +436,9 @@ def summarise(runs: list[dict], lags: list[int]) -> dict:
   the cold run's rewards exactly: the reward is the cold runs' (one per pair, seeds differ).
   """
   keys = ["wall_s", "first_step_done_s", "step1_s", "step_median_s", "rollout_median_s",
-          "train_median_s", "peak_rss_tree_mib", "ru_maxrss_mib", "reward_last10",
+          "train_median_s", "step_late_median_s", "rollout_late_median_s", "train_late_median_s",
+          "steps_after_first_s", "outside_steps_s", "peak_rss_tree_mib", "ru_maxrss_mib",
+          "reward_last10",
           "chars_last10", "tokens_last10", "load_avg_1m"]
 
   def pick(side, **match):
@@ -429,12 +454,16 @@ def summarise(runs: list[dict], lags: list[int]) -> dict:
   trl = med(pick("trl"))
   table, ratios, targets = {"trl": trl}, {}, {}
   for lag in lags:
-    cold, warm = med(pick("jaxrl", lag=lag, cache="cold")), med(pick("jaxrl", lag=lag, cache="warm"))
+    cold = med(pick("jaxrl", lag=lag, cache="cold"))
+    warm = med(pick("jaxrl", lag=lag, cache="warm"))
     both = med(pick("jaxrl", lag=lag))
     table[f"jaxrl_lag{lag}_cold"], table[f"jaxrl_lag{lag}_warm"] = cold, warm
     r = {"step_time": ratio(both["step_median_s"], trl["step_median_s"]),
          "rollout": ratio(both["rollout_median_s"], trl["rollout_median_s"]),
          "train": ratio(both["train_median_s"], trl["train_median_s"]),
+         "step_time_late": ratio(both["step_late_median_s"], trl["step_late_median_s"]),
+         "rollout_late": ratio(both["rollout_late_median_s"], trl["rollout_late_median_s"]),
+         "train_late": ratio(both["train_late_median_s"], trl["train_late_median_s"]),
          "step1_cold": ratio(cold["step1_s"], trl["step1_s"]),
          "step1_warm": ratio(warm["step1_s"], trl["step1_s"]),
          "first_step_done_cold": ratio(cold["first_step_done_s"], trl["first_step_done_s"]),
@@ -540,7 +569,8 @@ def main(argv=None) -> None:
                    "trl": next((r["command"] for r in runs if r["side"] == "trl"), None),
                    "jaxrl": shlex.join(example_jaxrl),
                    "jaxrl_warm": "the same jaxrl command again with the same compile_cache"},
-      "step_window": list(STEP_WINDOW), "reward_window": list(tail_window(args.steps)),
+      "step_window": list(STEP_WINDOW), "late_steps_from": LATE_FROM,
+      "reward_window": list(tail_window(args.steps)),
       **summarise(runs, lags), "differences": DIFFERENCES, "runs": runs,
   }
   print(json.dumps(result, indent=1))
