@@ -240,3 +240,29 @@ def test_distillation_with_lag_partial_rollouts_and_multi_turn(tmp_path):
   assert all(np.isfinite(r["distill/reverse_kl"]) for r in rl)
   assert any(r["distill/reverse_kl"] != 0 for r in rl)
   assert all(r["tokens"] <= 4 * 8 * 4 * 4 for r in rl)  # P x G rows x turns x new tokens
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(seed=st.integers(0, 2**16), split=st.integers(1, B - 1),
+       reduction=st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]))
+def test_property_microbatches_sum_to_the_full_batch(seed, split, reduction):
+  # The distillation advantage is per token and every denominator is the whole batch's, so two
+  # micro-batches (rows [:split] and [split:]) add up to the full batch: loss and gradient.
+  x = make(seed)
+  cfg = L.ObjectiveConfig(policy="ppo", reduction=reduction, distill_coef=0.7,
+                          distill_reward_weight=0.3)
+  counts = L.global_counts(cfg, x["mask"])
+
+  def loss(lp, rows):
+    take = lambda k: jnp.asarray(x[k][rows], jnp.float32)
+    return L.objective(cfg, lp, take("lp_old"), jnp.asarray(x["adv"][rows], jnp.float32),
+                       x["mask"][rows], counts, lp_gen=take("lp_gen"),
+                       lp_teacher=take("lp_teacher"))[0]
+
+  lp = jnp.asarray(x["lp"], jnp.float32)
+  full, g_full = jax.value_and_grad(loss)(lp, slice(None))
+  a, g_a = jax.value_and_grad(loss)(lp[:split], slice(0, split))
+  b, g_b = jax.value_and_grad(loss)(lp[split:], slice(split, None))
+  np.testing.assert_allclose(float(a + b), float(full), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.concatenate([g_a, g_b]), np.asarray(g_full), rtol=1e-5,
+                             atol=1e-6)

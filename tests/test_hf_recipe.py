@@ -176,3 +176,29 @@ def test_broken_model_directory_is_a_config_error_naming_the_file(tmp_path):
     json.dump(tok_cfg, f)
   with pytest.raises(config_lib.ConfigError, match=r"config\.model\.hf_path: .*tokenizer_config"):
     build_parts(cfg, mesh)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_teacher_distils_and_a_foreign_one_is_refused(tmp_path):
+  # The teacher is the student's own starting checkpoint: before the first update the two
+  # score every sampled token alike, so the first step's sampled reverse KL is 0.
+  model_dir, _ = _model_dir(tmp_path, "qwen2")
+  run_dir = tmp_path / "run"
+  cfg = _recipe(model_dir, _jsonl(tmp_path), run_dir)
+  cfg.distill.teacher = model_dir
+  cfg.distill.reward_weight = 1.0
+  cfg.train.steps = 2
+  cfg.val.every, cfg.checkpoint.every = 2, 2
+  mesh = config_lib.validate(cfg, jax.device_count())
+  trainer.run(cfg, str(run_dir), mesh)
+  rl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["phase"] == "rl"]
+  assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) for r in rl)
+  assert abs(rl[0]["distill/reverse_kl"]) < 1e-4, rl[0]["distill/reverse_kl"]
+
+  # A Llama-family teacher has another tokenizer and vocabulary: refused by name.
+  llama_dir, _ = _model_dir(tmp_path, "llama3")
+  cfg.distill.teacher = llama_dir
+  with pytest.raises(config_lib.ConfigError) as e:
+    build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
+  assert "config.distill.teacher" in str(e.value) and "vocabulary" in str(e.value)
