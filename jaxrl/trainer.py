@@ -146,7 +146,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   compiling that step, is waited for before the first update. `run_dir`: where
   `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace). `started`: the
   `time.monotonic()` of the process's start, from which the time to the first RL step is
-  printed and kept in the summary (`startup/first_rl_step_s`).
+  printed and kept in the summary (`perf/first_rl_step_s`).
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
@@ -278,7 +278,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
                         "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at,
                         "train/skipped_updates": loop.skipped_updates,
                         **({} if first_step_s is None else
-                           {"startup/first_rl_step_s": first_step_s})}
+                           {"perf/first_rl_step_s": first_step_s})}
 
 
 def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None,
