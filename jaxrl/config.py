@@ -508,6 +508,20 @@ def validate(cfg: ConfigDict, num_devices: int,
   return mesh
 
 
+def merge_saved(ref: dict, saved: dict) -> dict:
+  """`ref` (e.g. the default config as a dict) with the values `saved` (a run's config.json) has
+  for its keys: a saved run's config, read by a jaxrl whose defaults have more keys."""
+  out = {}
+  for k, v in ref.items():
+    if k not in saved:
+      out[k] = v
+    elif isinstance(v, dict) and isinstance(saved[k], dict):
+      out[k] = merge_saved(v, saved[k])
+    else:
+      out[k] = saved[k]
+  return out
+
+
 def to_dict(cfg: ConfigDict) -> dict[str, Any]:
   """Plain nested dict (references resolved), e.g. for writing the resolved config as JSON."""
   return cfg.to_dict()

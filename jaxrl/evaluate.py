@@ -48,19 +48,6 @@ def _finite(x):
   return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def _merge(ref: dict, saved: dict) -> dict:
-  """`ref` (the default config) with the values `saved` has for its keys."""
-  out = {}
-  for k, v in ref.items():
-    if k not in saved:
-      out[k] = v
-    elif isinstance(v, dict) and isinstance(saved[k], dict):
-      out[k] = _merge(v, saved[k])
-    else:
-      out[k] = saved[k]
-  return out
-
-
 def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
   """The evaluation's run config (see the module docstring); raises `UserError`s."""
   from jaxrl.configs import default as default_config
@@ -77,7 +64,7 @@ def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
         saved = json.load(f)
       except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e})") from None
-    cfg = ConfigDict(_merge(default_config.get_config().to_dict(), saved))
+    cfg = ConfigDict(config_lib.merge_saved(default_config.get_config().to_dict(), saved))
   else:
     cfg = base
     cfg.model.hf_path = args.hf

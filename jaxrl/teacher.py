@@ -37,18 +37,6 @@ class Teacher:
   source: str  # "<dir> (jaxrl run, checkpoint <step>)" or "<dir> (Hugging Face)"
 
 
-def _merge(ref: dict, saved: dict) -> dict:
-  out = {}
-  for k, v in ref.items():
-    if k not in saved:
-      out[k] = v
-    elif isinstance(v, dict) and isinstance(saved[k], dict):
-      out[k] = _merge(v, saved[k])
-    else:
-      out[k] = saved[k]
-  return out
-
-
 def is_run_dir(path: str) -> bool:
   """A jaxrl run directory (its config.json is a run config), not a model directory."""
   try:
@@ -78,7 +66,8 @@ def load(cfg: ConfigDict, student_tok, student_vocab: int, mesh) -> Teacher:
   from jaxrl.parts import make_tokenizer, task_source
 
   with open(os.path.join(path, "config.json")) as f:
-    saved = ConfigDict(_merge(default_config.get_config().to_dict(), json.load(f)))
+    saved = ConfigDict(config_lib.merge_saved(default_config.get_config().to_dict(),
+                                                json.load(f)))
   tok = make_tokenizer(saved, task_source(saved))
   if tok.vocab_size != student_tok.vocab_size or _pieces(tok) != _pieces(student_tok):
     raise config_lib.ConfigError([

@@ -11,9 +11,7 @@ lost or repeated.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import signal
 import subprocess
@@ -22,8 +20,10 @@ import time
 
 import pytest
 
-from processes import free_port
+from processes import communicate, free_port
 from test_cli import _tiny
+from test_parity import _env
+from test_resume import _checkpoints, _last_rl_step, _rows
 
 STEPS = 12
 PEER_TIMEOUT = 10
@@ -38,15 +38,6 @@ def _args(run_dir, lag, *extra):
                "--config.rollout.num_prompts=8", "--config.mesh.data=-1",
                "--config.task.dev_size=16", "--config.task.val_size=16",
                "--config.val.batch_size=16", *extra)
-
-
-def _env(devices: int) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                   if "xla_force_host_platform_device_count" not in f)
-  env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def _start(args, cwd, devices=8) -> subprocess.Popen:
@@ -64,35 +55,7 @@ def _two(args, cwd, port) -> list[subprocess.Popen]:
 
 
 def _finish(procs, timeout=600) -> list[str]:
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-  return outs
-
-
-def _rows(run_dir) -> list[dict]:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _last_rl_step(run_dir) -> int:
-  try:
-    rows = _rows(run_dir)
-  except (FileNotFoundError, json.JSONDecodeError):
-    return 0
-  return max([r["step"] for r in rows if r["phase"] == "rl"], default=0)
-
-
-def _checkpoints(run_dir) -> list[int]:
-  d = os.path.join(run_dir, "checkpoints")
-  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
+  return communicate(procs, timeout)
 
 
 def _assert_same(base, other) -> int:
