@@ -419,8 +419,8 @@ DIFFERENCES = [
     "jaxrl writes curves.png (matplotlib), summary.json and config.json at the end, inside its "
     "wall time; validation is off on both (jaxrl: val.at_start/at_end false, val.every past the "
     "last step)",
-    "optimizer: TRL adamw_torch_fused with adam_epsilon=1e-8; jaxrl optax.adamw, whose eps has no "
-    "train.* key and is optax's default, also 1e-8",
+    "optimizer: TRL adamw_torch_fused with adam_epsilon=1e-8; jaxrl optax.adamw with "
+    "train.adam_eps=1e-8",
     "TRL defaults overridden to match the workload: bf16=False and gradient_checkpointing=False "
     "(TRL's defaults are True for both), logging_steps=1, report_to='none', save_strategy='no'",
     "TRL's torch runs with OMP_WAIT_POLICY=PASSIVE (see TRL_ENV)",

@@ -61,6 +61,7 @@ def get_config():
   cfg.train.warmup_steps = 0
   cfg.train.lr_schedule = "constant"
   cfg.train.b1, cfg.train.b2 = GRPO["betas"]
+  cfg.train.adam_eps = GRPO["adam_eps"]
   cfg.train.weight_decay = 0.0
   cfg.train.grad_clip = GRPO["grad_clip"]
   cfg.train.num_microbatches = 1  # the whole batch in one pass, as TRL's one accumulation step

@@ -186,6 +186,7 @@ RULES: list[tuple[str, Rule]] = [
     ("train.final_lr_frac", _in(0, 1)),
     ("train.b1", _in(0, 1, hi_open=True)),
     ("train.b2", _in(0, 1, hi_open=True)),
+    ("train.adam_eps", _gt(0)),
     ("train.weight_decay", _ge(0)),
     ("train.grad_clip", _gt(0)),
     ("train.num_microbatches", _ge(0)),

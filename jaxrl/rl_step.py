@@ -59,7 +59,8 @@ def build_rl_step(parts, params) -> tuple[Callable, Callable]:
   (`build_train_step` with the run's optimizer, schedule and step config)."""
   cfg = parts.cfg
   t = cfg.train
-  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, eps=t.adam_eps,
+                       weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                        schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
   step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])

@@ -106,8 +106,8 @@ def learning_rate_schedule(learning_rate: float, *, warmup_steps: int = 0,
 
 def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
                    weight_decay: float = 0.0, grad_clip: float = 1.0, warmup_steps: int = 0,
-                   schedule: str = "constant", total_steps: int = 0, final_frac: float = 0.0
-                   ) -> optax.GradientTransformation:
+                   schedule: str = "constant", total_steps: int = 0, final_frac: float = 0.0,
+                   eps: float = 1e-8) -> optax.GradientTransformation:
   """Global-norm clipping then AdamW, with an optional linear learning-rate warm-up and decay
   (`learning_rate_schedule`).
 
@@ -117,7 +117,7 @@ def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
   lr = learning_rate_schedule(learning_rate, warmup_steps=warmup_steps, schedule=schedule,
                               total_steps=total_steps, final_frac=final_frac)
   return optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+                     optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
 def completion_hidden(model, batch: TrainBatch, group: int = 0) -> jax.Array:

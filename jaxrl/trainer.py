@@ -61,6 +61,7 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
   if not cfg.enabled or cfg.max_steps == 0:
     return params, {"sft/steps": 0}
   opt = make_optimizer(cfg.learning_rate, b1=parts.cfg.train.b1, b2=parts.cfg.train.b2,
+                       eps=parts.cfg.train.adam_eps,
                        grad_clip=parts.cfg.train.grad_clip)
   step_cfg = StepConfig(loss="sft", logprob_impl=logprob_impl(parts.cfg))
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params)

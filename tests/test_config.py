@@ -133,6 +133,7 @@ def test_int_is_accepted_where_float_is_expected():
     ("distributed.process_id", -1, "must be >= 0, got -1"),
     ("distributed.init_timeout_s", 0, "must be > 0"),
     ("distributed.peer_timeout_s", 2, "must be >= 5, got 2"),
+    ("train.adam_eps", 0.0, "must be > 0"),
 ])
 def test_out_of_range(key, value, expected):
   cfg = get_config()

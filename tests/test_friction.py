@@ -354,3 +354,16 @@ def test_a_second_run_loads_every_program_from_the_compile_cache(tmp_path):
     entries.append(sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")))
   assert len(entries[0]) > 10  # every program of the run, however small
   assert entries[1] == entries[0]  # the second run found every one of them: nothing new
+
+
+def test_adam_eps_reaches_the_optimizer():
+  # One AdamW update of a parameter whose gradient is g: m = (1 - b1) g, v = (1 - b2) g^2, with
+  # bias correction the step is lr * g / (|g| + eps). For g = 1e-6, lr = 1: eps 1e-8 moves it
+  # by 0.990, eps 1e-6 by 0.5.
+  from jaxrl.train_step import make_optimizer
+
+  for eps, want in ((1e-8, 1e-6 / (1e-6 + 1e-8)), (1e-6, 0.5)):
+    opt = make_optimizer(1.0, eps=eps, grad_clip=1e9)
+    params = {"w": jax.numpy.zeros(())}
+    updates, _ = opt.update({"w": jax.numpy.asarray(1e-6)}, opt.init(params), params)
+    np.testing.assert_allclose(float(updates["w"]), -want, rtol=1e-5)

@@ -169,6 +169,7 @@ def get_config() -> ConfigDict:
   c.train.final_lr_frac = 0.0
   c.train.b1 = 0.9
   c.train.b2 = 0.98
+  c.train.adam_eps = 1e-8  # AdamW's epsilon (also the warm-up's)
   c.train.weight_decay = 0.0
   c.train.grad_clip = 1.0  # global-norm clip
   # Gradient accumulation: the step sums the gradients of this many micro-batches (the gradient is
