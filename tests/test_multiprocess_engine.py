@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from processes import communicate, free_port
-from test_distributed import _env
+from test_multiprocess_rollouts import one_and_two_processes
 
 RUN = r"""
 import io, json, os, sys, threading, time
@@ -152,24 +149,11 @@ def _check_run(outs: list[str], processes: int) -> None:
 
 @pytest.mark.slow
 def test_two_processes_run_the_engine_like_one_process(tmp_path):
-  one = tmp_path / "one"
-  one.mkdir()
-  base_out = subprocess.run([sys.executable, "-c", RUN, str(one)], env=_env(8),
-                            capture_output=True, text=True, timeout=900)
-  assert base_out.returncode == 0, base_out.stdout + base_out.stderr
-  _check_run([base_out.stdout], 1)
-  base = _rows(one)
-
-  two = tmp_path / "two"
-  two.mkdir()
-  port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-c", RUN, str(two)],
-      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = communicate(procs, 900)
+  base_out, outs = one_and_two_processes(RUN, tmp_path, timeout=900)
+  _check_run([base_out], 1)
   _check_run(outs, 2)
-  rows = _rows(two)
+  one, two = tmp_path / "one", tmp_path / "two"
+  base, rows = _rows(one), _rows(two)
 
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]

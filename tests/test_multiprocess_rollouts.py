@@ -77,24 +77,28 @@ def _seen(out: str) -> list:
   return json.loads(line[5:])
 
 
-@pytest.mark.slow
-def test_two_processes_overlap_and_match_one_process(tmp_path):
-  one = tmp_path / "one"
+def one_and_two_processes(program: str, tmp_path, timeout: float = 600):
+  """Runs `program` (python -c, its first argument the output directory) as 1 process x 8
+  devices in `tmp_path/one`, then as 2 processes x 4 devices in `tmp_path/two` (gloo on
+  127.0.0.1); returns (the single process's output, the two processes' outputs)."""
+  one, two = tmp_path / "one", tmp_path / "two"
   one.mkdir()
-  base_out = subprocess.run([sys.executable, "-c", RUN, str(one)], env=_env(8),
-                            capture_output=True, text=True, timeout=600)
-  assert base_out.returncode == 0, base_out.stdout + base_out.stderr
-  base = _rows(one)
-
-  two = tmp_path / "two"
   two.mkdir()
+  base_out = subprocess.run([sys.executable, "-c", program, str(one)], env=_env(8),
+                            capture_output=True, text=True, timeout=timeout)
+  assert base_out.returncode == 0, base_out.stdout + base_out.stderr
   port = free_port()
   procs = [subprocess.Popen(
-      [sys.executable, "-c", RUN, str(two)],
+      [sys.executable, "-c", program, str(two)],
       env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = communicate(procs, 600)
-  rows = _rows(two)
+  return base_out.stdout, communicate(procs, timeout)
+
+
+@pytest.mark.slow
+def test_two_processes_overlap_and_match_one_process(tmp_path):
+  _, outs = one_and_two_processes(RUN, tmp_path)
+  base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
 
   # The worker thread made every batch, with params on its own process's devices; 4 steps at
   # lag 1 start batches 0..4 (the ring holds one more than was pulled).
