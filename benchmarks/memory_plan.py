@@ -35,6 +35,18 @@ counts in full on every device). Totals:
 
 `--remat none|full|dots` sets `ModelConfig.remat` (per-layer rematerialisation in the train step;
 the sampler never uses it); the default is the default run config's `model.remat` ("none").
+
+`--lora-rank R` (0: off) also plans each model with LoRA adapters (`jaxrl.models.lora`; rank R,
+`--lora-alpha`, `--lora-targets`, default all seven projections), as the trainer builds it: the
+base frozen in `--param-dtype` (`frozen_params`), the adapters (f32, replicated by their sharding
+rule) the state's trained params (`trainable_params`), gradients and Adam's mu + nu for them
+alone; the sampler gets merged weights in the base layout (`published_params`, KV cache as
+without LoRA). Each model's line then holds `with_lora` (that plan) and `lora_comparison` (per
+device bytes without / with), and the summary a row "<model> lora<R>" after the model's own.
+`params` counts the model's own parameters (never the adapters; `trainable_params` counts what
+trains), and `per_device_bytes.params` every param resident on a device (base + adapters).
+
+  PYTHONPATH=. python benchmarks/memory_plan.py --models 0.5b,1.5b,7b --devices 8 --lora-rank 16
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -74,7 +87,9 @@ import numpy as np  # noqa: E402
 
 from jaxrl.configs.default import get_config  # noqa: E402
 from jaxrl.kernels.fused_logprob.api import default_impl  # noqa: E402
-from jaxrl.models.transformer import REMAT_POLICIES, ModelConfig, abstract_model  # noqa: E402
+from jaxrl.models import lora as lora_lib  # noqa: E402
+from jaxrl.models.transformer import (REMAT_POLICIES, ModelConfig, abstract_model,  # noqa: E402
+                                      lora_dims)
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jaxrl.parallel.sharding import kv_cache_shardings, mesh_of  # noqa: E402
 from jaxrl.rollout.sampler import make_sampler  # noqa: E402
@@ -292,36 +307,56 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
   cfg = cfg or get_config()
   t = cfg.train
   graphdef, params = abstract_model(model_cfg)
+  lora = model_cfg.lora_rank > 0
+  # The sampler runs the base model's layout: with LoRA it gets merged weights (the trainer's
+  # `model.lora.rollout = "merge"`), so its params and KV cache are the base model's.
+  base_graphdef, base_params = abstract_model(lora_lib.base_config(model_cfg)) if lora else \
+      (graphdef, params)
   optimizer = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
   step_cfg = dataclasses.replace(rl_step_config(cfg), num_microbatches=sizes.microbatches)
+  # With LoRA the builder makes the state's params the adapters alone (their gradients and
+  # optimizer state only) and keeps the base in `frozen`, a separate argument of the step.
   step, init_state = build_train_step(graphdef, optimizer, step_cfg, mesh, params)
   batch = abstract_batch(sizes, mesh)
+  state0, frozen = jax.eval_shape(init_state, params), ()
+  if lora:
+    frozen = (with_shardings(state0.frozen, step.frozen_shardings),)
+    state0 = state0._replace(frozen=None)
   # The step's own out_shardings give the train state exactly as the builder places it (params
   # by the logical-axis rules, optimizer state like its params, scalars replicated).
-  state, _ = jax.eval_shape(step.jitted, jax.eval_shape(init_state, params), batch)
-  p_bytes = per_device_bytes(state.params)
+  state, _ = jax.eval_shape(step.jitted, state0, batch, *frozen)
+  trained = per_device_bytes(state.params)
+  frozen_bytes = per_device_bytes(frozen)
   b = {
-      "params": p_bytes,
+      # Every param of the model resident on a device: with LoRA, the frozen base + adapters.
+      "params": trained + frozen_bytes,
+      "trainable_params": trained,
+      "frozen_params": frozen_bytes,
       "optimizer_state": per_device_bytes(state.opt_state),
-      # The step's gradient accumulator is `zeros_like(params)`: param dtype, param layout.
-      "gradients": p_bytes,
+      # The step's gradient accumulator is `zeros_like(params)` of the trained params: their
+      # dtype, their layout (with LoRA, the adapters').
+      "gradients": trained,
       "ref_params": per_device_bytes(state.ref_params) if state.ref_params is not None else 0,
       "train_batch": per_device_bytes(batch),
+      # The sampler's copy of a version (the base model's layout; LoRA: merged weights).
+      "published_params": per_device_bytes(with_shardings(
+          base_params, param_shardings(base_params, mesh))),
   }
-  g = {"params": global_bytes(state.params), "optimizer_state": global_bytes(state.opt_state),
-       "gradients": global_bytes(state.params),
+  g_trained, g_frozen = global_bytes(state.params), global_bytes(frozen)
+  g = {"params": g_trained + g_frozen, "trainable_params": g_trained, "frozen_params": g_frozen,
+       "optimizer_state": global_bytes(state.opt_state), "gradients": g_trained,
        "ref_params": global_bytes(state.ref_params) if state.ref_params is not None else 0,
-       "train_batch": global_bytes(batch)}
+       "train_batch": global_bytes(batch), "published_params": global_bytes(base_params)}
 
   # ---- rollout: the sampler exactly as the trainer builds it (prompt rows over 'data', params
   # on the rollout mesh), its KV cache split as the sampler pins it.
   rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
-  kv, cache = kv_cache_plan(model_cfg, rollout_mesh, sizes, graphdef, params)
+  kv, cache = kv_cache_plan(model_cfg, rollout_mesh, sizes, base_graphdef, base_params)
   rollout_ma = {}
   if compile_rollout:
     sample, sharded_params, prompts, on = rollout_inputs(model_cfg, rollout_mesh, sizes,
-                                                          graphdef, params)
+                                                          base_graphdef, base_params)
     prefill_c, rollout_ma["prefill"] = _compile("prefill", sample.prefill, sharded_params,
                                                 *prompts, mesh=on)
     cache_sh, logits_sh, lens_sh = prefill_c.output_shardings
@@ -350,7 +385,7 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
   step_info = {"compiled": compile_train, "logprob_impl": step_cfg.logprob_impl or default_impl(),
                "num_microbatches": step_cfg.num_microbatches}
   if compile_train:
-    _, info = _compile("train step", step.jitted, state, batch)
+    _, info = _compile("train step", step.jitted, state, batch, *frozen)
     step_info.update(info)
 
   # ---- totals
@@ -366,16 +401,26 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
   if peaks and all(p is not None for p in peaks):
     rollout, rollout_src = max(peaks), f"compiled: max({', '.join(rollout_ma)})"
   else:
-    rollout, rollout_src = b["params"] + kv_bytes, "eval_shape: params + KV cache"
+    rollout = b["published_params"] + kv_bytes
+    rollout_src = "eval_shape: published params + KV cache"
   if rollout_mesh is not mesh:
     rollout_src += (" (train-mesh params bytes; the rollout mesh may be other devices: the lag "
                     "totals add both as if colocated)")
   state_bytes = b["params"] + b["optimizer_state"] + b["ref_params"]
   totals = {"train": train, "rollout": rollout,
-            "lag0": max(train + b["params"], state_bytes + rollout),
+            "lag0": max(train + b["published_params"], state_bytes + rollout),
             "lag1": train + rollout}
   out = {
-      "params": count(state.params),
+      "params": count(base_params),  # the model's own (without adapters)
+      "trainable_params": count(state.params),
+      "lora": None if not lora else {
+          "rank": model_cfg.lora_rank, "alpha": model_cfg.lora_alpha,
+          "targets": list(model_cfg.lora_targets), "adapter_params": count(state.params),
+          "adapter_params_arithmetic": lora_params(model_cfg),
+          "frozen_base_dtype": model_cfg.param_dtype,
+          "adapter_dtype": str(np.dtype(jax.tree.leaves(state.params)[0].dtype)),
+          "rollout": "merge: the sampler gets the base model's layout with the adapters folded "
+                     "in (published_params), its KV cache as without LoRA"},
       "mesh": dict(mesh.shape),
       "param_dtype": model_cfg.param_dtype,
       "dtype": model_cfg.dtype,
@@ -396,10 +441,36 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
   return out
 
 
+def lora_params(model_cfg: ModelConfig) -> int:
+  """Adapter parameters by arithmetic: per target, A [L, din, r] + B [L, r, dout]."""
+  return sum(model_cfg.num_layers * sum(lora_dims(model_cfg, t)) * model_cfg.lora_rank
+             for t in model_cfg.lora_targets) if model_cfg.lora_rank else 0
+
+
+LORA_COMPARED = ("params", "frozen_params", "trainable_params", "gradients", "optimizer_state",
+                 "ref_params", "kv_cache", "published_params")
+
+
+def lora_comparison(full: dict, lora: dict) -> dict:
+  """Per-device bytes without and with LoRA, side by side (and their ratio, with / without)."""
+  pick = lambda r: {**{k: r["per_device_bytes"][k] for k in LORA_COMPARED},
+                    **{f"total_{k}": v for k, v in r["totals_bytes"].items()}}
+  a, b = pick(full), pick(lora)
+  return {"per_device_bytes": {k: {"without_lora": a[k], "with_lora": b[k],
+                                   "ratio": round(b[k] / a[k], 5) if a[k] else None}
+                               for k in a},
+          "per_device_gib": {k: [round(a[k] / GIB, 3), round(b[k] / GIB, 3)] for k in a},
+          "trainable_params": [full["trainable_params"], lora["trainable_params"]]}
+
+
 def summary_row(name: str, r: dict) -> dict:
   gib = r["per_device_gib"]
   ma = r["train_step"].get("memory_analysis") or {}
   return {"model": name, "params": r["params"],
+          "lora_rank": (r.get("lora") or {}).get("rank", 0),
+          "trainable_params": r.get("trainable_params", r["params"]),
+          "trainable_gib": gib.get("trainable_params", gib["params"]),
+          "frozen_gib": gib.get("frozen_params", 0.0),
           "mesh": "x".join(str(v) for v in r["mesh"].values()), "remat": r["remat"],
           "params_gib": gib["params"], "optimizer_gib": gib["optimizer_state"],
           "gradients_gib": gib["gradients"], "kv_cache_gib": gib["kv_cache"],
@@ -458,6 +529,12 @@ def main():
   ap.add_argument("--no-rollout-compile", action="store_true",
                   help="with --compile, compile only the train step (the KV cache is then "
                        "sized from the sharding the sampler pins, unchecked)")
+  ap.add_argument("--lora-rank", type=int, default=0,
+                  help="also plan each model with LoRA adapters of this rank (0: off): frozen "
+                       "base, adapters trained (f32), side by side with the full fine-tune")
+  ap.add_argument("--lora-alpha", type=float, default=32.0)
+  ap.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
+                  help="comma list of the projections adapted")
   ap.add_argument("--quick", action="store_true", help="smoke test: a tiny model, compiled")
   ap.add_argument("--out", default=None, help="also write the whole report to this JSON file")
   args, _ = ap.parse_known_args()
@@ -512,6 +589,10 @@ def main():
     check_sizes(sizes, mesh)
   except ValueError as e:
     ap.error(str(e))
+  lora_section = types.SimpleNamespace(rank=args.lora_rank, alpha=args.lora_alpha,
+                                       targets=args.lora_targets, dropout=0.0)
+  if args.lora_rank < 0:
+    ap.error("--lora-rank must be >= 0")
 
   report = {
       "benchmark": "memory_plan",
@@ -522,6 +603,8 @@ def main():
       "mesh": dict(mesh.shape),
       "rollout_mesh": dict(rollout_mesh.shape),
       "sizes": dataclasses.asdict(sizes),
+      "lora": None if not args.lora_rank else {"rank": args.lora_rank, "alpha": args.lora_alpha,
+                                               "targets": args.lora_targets},
       "models": {},
   }
   summary = []
@@ -537,10 +620,19 @@ def main():
       if r["params"] != QWEN[name][2]:
         raise RuntimeError(f"{name}: built {r['params']} parameters, published {QWEN[name][2]}")
     r["model_config"] = dataclasses.asdict(mc)
+    rows = [summary_row(name, r)]
+    if args.lora_rank:
+      lc = lora_lib.with_lora(mc, lora_section)
+      log(f"[{name}] planning with LoRA rank {lc.lora_rank} on {','.join(lc.lora_targets)}")
+      r["with_lora"] = plan(lc, mesh, sizes, compile_train=name in to_compile,
+                            compile_rollout=name in to_compile and not args.no_rollout_compile,
+                            rollout_mesh=rollout_mesh, cfg=recipe)
+      r["lora_comparison"] = lora_comparison(r, r["with_lora"])
+      rows.append(summary_row(f"{name} lora{lc.lora_rank}", r["with_lora"]))
     r["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps({"model": name, **r}), flush=True)
     report["models"][name] = r
-    summary.append(summary_row(name, r))
+    summary.extend(rows)
     log(f"[{name}] done in {r['wall_s']}s: total (lag 1) {r['per_device_gib']['total_lag1']} GiB "
         f"per device")
   report["summary"] = summary

@@ -9,7 +9,14 @@ alternate, so both see the same machine load; `ratio` is the median of the per-p
 Every row generates exactly `new_tokens` tokens: jaxrl gets `eos_id = vocab_size` (an id that is
 never sampled), HF gets `min_new_tokens = max_new_tokens` and no EOS.
 
+`--dtypes float32,bfloat16` runs every case once per dtype, both sides in it: jaxrl with params
+and compute in that dtype (the sampler of `rollout.dtype`; log-probs stay float32), HF with the
+model cast to it (`torch_dtype`). A case's bfloat16 result is keyed "<case> bfloat16"; with both
+dtypes, `bf16_over_f32` gives each side's speed-up (median of per-call ratios, calls of one side
+paired in order) and the two jaxrl / HF ratios.
+
   PYTHONPATH=. python benchmarks/sampler_throughput.py [--cases default,qwen] [--repeats 5]
+  PYTHONPATH=. python benchmarks/sampler_throughput.py --dtypes float32,bfloat16
   PYTHONPATH=. python benchmarks/sampler_throughput.py --quick   # smoke test, tiny sizes
 """
 
@@ -158,6 +165,7 @@ class HFRunner:
     import torch
     import transformers
 
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.model.dtype]
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     m = case.model
@@ -178,7 +186,7 @@ class HFRunner:
       config = transformers.Qwen2Config(use_sliding_window=False, **common)
       cls = transformers.Qwen2ForCausalLM
     t0 = time.perf_counter()
-    self.model = cls(config).to(torch.float32).eval()
+    self.model = cls(config).to(dtype).eval()  # what from_pretrained(torch_dtype=dtype) gives
     self.init_s = time.perf_counter() - t0
     self.torch = torch
     self.case = case
@@ -220,7 +228,10 @@ def summarize(first_s: float, times: list[float], tokens: int) -> dict:
   }
 
 
-def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int) -> dict:
+def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int,
+             dtype: str = "float32") -> dict:
+  case = dataclasses.replace(case, model=dataclasses.replace(case.model, param_dtype=dtype,
+                                                             dtype=dtype))
   prompts, valid = make_prompts(case)
   rows = case.prompts * case.group
   tokens = rows * case.new_tokens
@@ -254,7 +265,8 @@ def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int) -> d
   result = {
       "model": {k: getattr(m, k) for k in ("vocab_size", "d_model", "num_layers", "num_heads",
                                            "num_kv_heads", "head_dim", "mlp_dim", "qkv_bias",
-                                           "tie_embeddings", "scan_layers", "dtype")},
+                                           "tie_embeddings", "scan_layers", "param_dtype",
+                                           "dtype")},
       "params_millions": round(n_params / 1e6, 2),
       "prompts": case.prompts,
       "samples_per_prompt": case.group,
@@ -281,6 +293,21 @@ def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int) -> d
   return result
 
 
+def dtype_speedups(f32: dict, bf16: dict) -> dict:
+  """Each side's bfloat16 speed-up over float32 (median of per-call ratios, the i-th timed call
+  of one dtype against the i-th of the other: the two dtypes run one after the other, so these
+  see more drift in machine load than the jaxrl / HF ratios, whose calls alternate)."""
+  out = {}
+  for side in ("jaxrl", "hf"):
+    if f32.get(side) and bf16.get(side):
+      pair = [a / b for a, b in zip(f32[side]["call_s"], bf16[side]["call_s"])]
+      out[f"{side}_speedup"] = round(statistics.median(pair), 2)
+  for name, r in (("float32", f32), ("bfloat16", bf16)):
+    if "ratio_jaxrl_over_hf" in r:
+      out[f"ratio_jaxrl_over_hf_{name}"] = r["ratio_jaxrl_over_hf"]
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="default,qwen", help="comma list of: default, qwen")
@@ -290,9 +317,14 @@ def main():
                   help="new tokens per row in the 0.5B case (16 keeps it under ~3 min here)")
   ap.add_argument("--torch-threads", type=int, default=2)
   ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face even if installed")
+  ap.add_argument("--dtypes", default="float32",
+                  help="comma list of: float32, bfloat16 (params and compute, both sides)")
   args = ap.parse_args()
   if args.repeats < 1:
     ap.error("--repeats must be >= 1")
+  dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+  if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+    ap.error(f"--dtypes: a comma list of float32, bfloat16; got {args.dtypes!r}")
   t_start = time.perf_counter()
 
   cases = make_cases(args.quick, args.qwen_new_tokens)
@@ -321,9 +353,17 @@ def main():
       "target": "jaxrl tokens/s >= 3x HF transformers generate tokens/s",
       "cases": {},
   }
+  report["dtypes"] = dtypes
   for n in names:
     c = cases[n]
-    report["cases"][c.name] = run_case(c, args.repeats, hf_reason, args.torch_threads)
+    by_dtype = {}
+    for d in dtypes:
+      key = c.name if d == "float32" else f"{c.name} {d}"
+      by_dtype[d] = report["cases"][key] = run_case(c, args.repeats, hf_reason,
+                                                    args.torch_threads, d)
+    if "float32" in by_dtype and "bfloat16" in by_dtype:
+      report["cases"][f"{c.name} bf16_over_f32"] = dtype_speedups(by_dtype["float32"],
+                                                                   by_dtype["bfloat16"])
   report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
   print(json.dumps(report, indent=2))
 

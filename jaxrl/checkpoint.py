@@ -244,6 +244,19 @@ class Checkpointer:
         item=tgt, restore_args=args, partial_restore=True)))
     return step, out.state["train"]["params"]
 
+  def restore_fields(self, step: int | None, targets: dict) -> tuple[int, dict]:
+    """`(step, {field: value})`: only the named fields of a checkpoint's train state (e.g.
+    `{"params": adapters, "frozen": base}` for a LoRA run, whose `params` are its adapters and
+    `frozen` its base model), each laid out as its target (abstract, with shardings) says;
+    nothing else is read. A target that does not fit the checkpoint (a missing field, another
+    tree or shape) raises Orbax's `ValueError` or `TypeError`."""
+    step = self._existing(step)
+    tgt = {"train": {k: abstract_like(v) for k, v in targets.items()}}
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tgt)
+    out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=tgt, restore_args=args, partial_restore=True)))
+    return step, {k: out.state["train"][k] for k in targets}
+
   def _existing(self, step: int | None) -> int:
     """`step`, or the latest complete one for None; an error naming the directory otherwise."""
     self.wait()

@@ -19,8 +19,8 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxrl.errors import UserError
-from jaxrl.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LR_SCHEDULES,
-                         POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
+from jaxrl.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
+                         LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 PREFIX = "config."
@@ -135,6 +135,15 @@ RULES: list[tuple[str, Rule]] = [
     ("model.dtype", _one_of(DTYPES)),
     ("model.remat", _one_of(set(REMAT_POLICIES))),
     ("model.init_std", _gt(0)),
+    ("model.lora.rank", _ge(0)),
+    ("model.lora.alpha", _gt(0)),
+    ("model.lora.dropout", _in(0, 1, hi_open=True)),
+    ("model.lora.targets", (lambda v: bool(v.strip()) and all(
+        t.strip() in LORA_TARGETS for t in v.split(",")),
+        f"a comma-separated list of {', '.join(LORA_TARGETS)}")),
+    ("model.lora.learning_rate", _ge(0)),
+    ("model.lora.rollout", _one_of(("apply", "merge"))),
+    ("rollout.dtype", _one_of(("auto", "float32", "bfloat16"))),
     ("rollout.engine", _one_of(("static", "continuous"))),
     ("rollout.engine_slots", _ge(0)),
     ("rollout.engine_steps", _ge(1)),

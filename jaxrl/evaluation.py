@@ -11,6 +11,10 @@ row), turn and outcome statistics, `val/env_calls` and, with mixed tasks, `val/<
 Rows go through partition `val` of the data plane and are freed after the pass. The last chunk of
 prompts is padded by repetition to keep one shape; padding rows count for nothing.
 
+Evaluation measures the policy the samplers run: with `rollout.dtype` set, params in another
+dtype (the warm-up's, the train state's on several processes) are cast as a publish would cast
+them (`Parts.rollout_copy`); a published copy is already cast.
+
 Alongside training: `submit(step, params)` starts a pass over `val` of the params of `step` (an
 immutable published copy, so training may go on donating its own buffers) on one supervised thread
 and returns at once; the trainer collects finished passes with `poll()`, logging each under the
@@ -36,6 +40,7 @@ import numpy as np
 
 from jaxrl.pipeline import BatchMeta
 from jaxrl.pipeline.dynamic_sampling import finite_mean
+from jaxrl.rollout.precision import needs_cast, rollout_dtype
 
 
 class EvaluationStalled(RuntimeError):
@@ -50,7 +55,11 @@ def evaluate(parts, params, split: str, pass_id: str) -> dict:
   """One pass of `parts.val_loop` over `split` of `parts.source` (see the module docstring);
   `pass_id` keys the pass's rows in the data plane."""
   v = parts.cfg.val
-  params = parts.for_rollout(params)
+  # Params not in the samplers' dtype (`rollout.dtype`: the warm-up's, or the train state's on
+  # several processes) are cast as a publish would, so every pass evaluates the policy the
+  # samplers run, with one compiled sampler.
+  params = parts.rollout_copy(params) if needs_cast(params, rollout_dtype(parts.cfg)) \
+      else parts.for_rollout(params)
   tasks = parts.source.split(split)
   bs, k = v.batch_size, v.samples_per_prompt
   metas, eps = [], []

@@ -34,6 +34,9 @@ REMAT_POLICIES = ("none", "full", "dots")
 REWARD_FIELDS = ("reward",)
 DTYPES = ("float32", "bfloat16", "float16")
 
+# Projections LoRA adapts (`model.lora.targets`), by their Hugging Face names minus "_proj".
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 
 def check_registry(kind: str, names: tuple[str, ...], implemented: Iterable[str]) -> None:
   """Raises if the implementations of registry `kind` are not exactly `names`, in order."""

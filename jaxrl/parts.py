@@ -5,6 +5,11 @@ meshes, model and data plane, and returns them as one immutable `Parts` with the
 Params are not part of `Parts`: they live in the train state of the phase running (the warm-up
 returns its params, RL starts from them). Environments and the task source can be given instead
 of the config's (`envs=`, `source=`): the seam for faulty graders and injected rows.
+
+The samplers may run in another precision than the trainer (`rollout.dtype`): they are built
+from `rollout_graphdef` (params and compute, so the KV cache, in that dtype), and every
+published version goes through `rollout_copy`, which casts it. Evaluation generates with the
+published copy, so it measures the rollout-precision policy.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from jaxrl.models import ModelConfig, abstract_model, init_model
 from jaxrl.models import hf as hf_lib
 from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
+from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,
+                                     rollout_model)
 from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.train_step import shard_params
 from jaxrl.types import TrainBatch
@@ -71,6 +78,9 @@ class Parts:
   rollout_mesh: jax.sharding.Mesh  # `mesh` itself when colocated
   model_cfg: ModelConfig
   graphdef: object
+  # Every sampler's model (training, later turns, evaluation): `graphdef` itself unless
+  # `rollout.dtype` asks for another precision (`jaxrl.rollout.precision`).
+  rollout_graphdef: object
   rollout_shardings: object
   data: DataPlane  # rows of partitions `train` and `val`: metadata here, arrays on `mesh`
   budget: Budget
@@ -83,7 +93,8 @@ class Parts:
     """The training rollouts' multi-turn loop; `newest` is the newest-params source of partial
     rollouts (the lag pipeline's). `mesh`: the mesh it generates on, default `rollout_mesh`
     (several processes: each process's own devices, `ProcessShare.mesh`)."""
-    s = build_samplers(self.cfg, self.graphdef, self.tok, mesh or self.rollout_mesh, newest)
+    s = build_samplers(self.cfg, self.rollout_graphdef, self.tok, mesh or self.rollout_mesh,
+                       newest)
     return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,
                      s.next_turn, parallel.distributed.fetch, self.cfg.env.timeout_s)
 
@@ -97,6 +108,36 @@ class Parts:
     if leaf.sharding == jax.tree.leaves(self.rollout_shardings)[0]:
       return params
     return parallel.reshard(params, self.rollout_shardings)
+
+  def rollout_place(self, tree, share=None):
+    """`tree` (params or a part of them, e.g. LoRA adapters) moved where the samplers generate,
+    as it is (no cast; `rollout_copy` makes the sampler's own copy): itself when colocated; a
+    reshard onto the rollout mesh by the parameter rules; on several processes (`share`) each
+    process's copy on its own devices, a global program every process launches in the same
+    order. What `jaxrl.models.lora.AdapterSync` moves the base and the adapters with."""
+    if share is not None:
+      return parallel.distributed.publish_local(tree, share.train_mesh, share.mesh)
+    if self.rollout_mesh is self.mesh:
+      return tree
+    return parallel.reshard(tree, parallel.param_shardings(tree, self.rollout_mesh))
+
+  def rollout_copy(self, params, share=None):
+    """The sampler's own copy of a params version (what the lag pipeline publishes): new
+    buffers, never those of `params` (the train step donates them), in the rollout dtype, where
+    the samplers generate. Colocated, a cast (or copy) on the same shardings; disaggregated, a
+    reshard onto the rollout mesh, cast on the train mesh first where the rollout dtype is
+    narrower (half the bytes moved, and the rollout mesh never holds the wide copy), after the
+    reshard where it is wider; on several processes (`share`, a `ProcessShare`) each process's
+    copy on its own devices, `share.publish`, which casts the same way."""
+    if share is not None:
+      return share.publish(params)
+    d = rollout_dtype(self.cfg)
+    if self.rollout_mesh is self.mesh:
+      return cast_params(params, d)
+    if cast_first(params, d):
+      return self.for_rollout(cast_params(params, d))
+    moved = self.for_rollout(params)
+    return cast_params(moved, d) if needs_cast(moved, d) or moved is params else moved
 
   def row_problem(self, task) -> RowProblem | None:
     """What makes a task row unusable, as (reason, detail, size), or None."""
@@ -230,17 +271,20 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
     graphdef, params = init_model(model_cfg, cfg.seed)
     params = shard_params(params, mesh)
+  rollout_cfg = rollout_model(cfg, model_cfg)
+  rollout_graphdef = graphdef if rollout_cfg is model_cfg else abstract_model(rollout_cfg)[0]
   teacher = None
   if cfg.distill.teacher:
     teacher = teacher_lib.load(cfg, tok, model_cfg.vocab_size, mesh)
   r = cfg.rollout
   budget = Budget(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                   max_total_tokens=r.max_total_tokens or r.max_new_tokens, max_turns=r.max_turns)
-  samplers = build_samplers(cfg, graphdef, tok, rollout_mesh)
+  samplers = build_samplers(cfg, rollout_graphdef, tok, rollout_mesh)
   val_loop = MultiTurn(tok, envs, budget, cfg.val.samples_per_prompt, samplers.val,
                        samplers.next_turn, parallel.distributed.fetch, cfg.env.timeout_s)
   parts = Parts(cfg=cfg, task=getattr(source, "task", None), tok=tok, envs=envs, source=checked,
                 mesh=mesh, rollout_mesh=rollout_mesh, model_cfg=model_cfg, graphdef=graphdef,
+                rollout_graphdef=rollout_graphdef,
                 rollout_shardings=parallel.param_shardings(params, rollout_mesh),
                 data=DataPlane(mesh), budget=budget, val_loop=val_loop, teacher=teacher)
   return parts, params

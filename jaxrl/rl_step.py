@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import config as config_lib
-from jaxrl import losses
+from jaxrl import losses, parallel
+from jaxrl.models import ModelConfig, abstract_model
+from jaxrl.models import lora as lora_lib
 from jaxrl.train_step import StepConfig, build_train_step, compile_step, make_optimizer
 from jaxrl.types import TrainBatch
 
@@ -54,19 +56,48 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
                     logprob_impl=logprob_impl(cfg))
 
 
+def lora_model(parts) -> ModelConfig | None:
+  """The RL phase's model config with its LoRA adapters (`model.lora`), or None without LoRA."""
+  m = lora_lib.with_lora(parts.model_cfg, parts.cfg.model.lora)
+  return m if m.lora_rank else None
+
+
 def build_rl_step(parts, params) -> tuple[Callable, Callable]:
   """The RL train step and its state initialiser for `parts` and params like `params`
-  (`build_train_step` with the run's optimizer, schedule and step config)."""
+  (`build_train_step` with the run's optimizer, schedule and step config).
+
+  With LoRA (`model.lora.rank`) the step trains adapters on the model of `lora_model(parts)`
+  at `model.lora.learning_rate` (0: `train.learning_rate`), and the initialiser takes the base
+  model's params (what the warm-up returns) and attaches fresh adapters (`init_adapters` for
+  `seed`; the adapted model equals its base) unless they hold some already."""
   cfg = parts.cfg
   t = cfg.train
-  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, eps=t.adam_eps,
+  graphdef, lora = parts.graphdef, lora_model(parts)
+  lr = t.learning_rate
+  if lora is not None:
+    graphdef = abstract_model(lora)[0]
+    adapters = lora_lib.abstract_adapters(lora)
+    params = lora_lib.join(params, adapters)
+    lr = cfg.model.lora.learning_rate or lr
+    shardings = parallel.param_shardings(adapters, parts.mesh)
+  opt = make_optimizer(lr, b1=t.b1, b2=t.b2, eps=t.adam_eps,
                        weight_decay=t.weight_decay,
                        grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                        schedule=t.lr_schedule, total_steps=t.steps, final_frac=t.final_lr_frac)
   step_cfg = rl_step_config(cfg, parts.mesh.shape["data"] * parts.mesh.shape["fsdp"])
   teacher = getattr(parts, "teacher", None)
-  return build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params,
-                          teacher=None if teacher is None else (teacher.graphdef, teacher.params))
+  step, init_state = build_train_step(
+      graphdef, opt, step_cfg, parts.mesh, params,
+      teacher=None if teacher is None else (teacher.graphdef, teacher.params))
+  if lora is None:
+    return step, init_state
+
+  def init_with_adapters(p, ref_params=None):
+    if not lora_lib.has_adapters(p):
+      p = lora_lib.join(p, lora_lib.init_adapters(lora, cfg.seed, shardings))
+    return init_state(p, ref_params)
+
+  return step, init_with_adapters
 
 
 def rl_batch_spec(cfg) -> TrainBatch:

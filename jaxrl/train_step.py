@@ -40,6 +40,7 @@ from jaxrl import parallel
 from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
+from jaxrl.models import lora as lora_lib
 from jaxrl.models.transformer import KVCache, left_positions
 from jaxrl.names import LR_SCHEDULES
 from jaxrl.types import TrainBatch, TrainState
@@ -120,7 +121,8 @@ def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
                      optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
-def completion_hidden(model, batch: TrainBatch, group: int = 0) -> jax.Array:
+def completion_hidden(model, batch: TrainBatch, group: int = 0,
+                      lora_dropout_key: jax.Array | None = None) -> jax.Array:
   """Final hidden states [B, N, D] that predict each completion token.
 
   `group` > 1: every `group` consecutive rows share one prompt (the first row's is used). The
@@ -128,27 +130,30 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0) -> jax.Array:
   the group; the completions then run over it. Same function as the per-row pass (each
   completion token attends to its own prompt and the completion tokens before it), with
   (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over the group.
+  `lora_dropout_key`: the model's LoRA dropout (training only).
   """
+  kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
   lp = batch.prompt_tokens.shape[1]
   seen = batch.mask if batch.completion_valid is None else batch.completion_valid
   if group <= 1:
     seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
     valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
-    hidden, _ = model(seq, left_positions(valid), valid)
+    hidden, _ = model(seq, left_positions(valid), valid, **kw)
     # Position lp - 1 + j holds the state that predicts completion token j.
     return hidden[:, lp - 1 : -1]
   b, n = batch.tokens.shape
   first = lambda x: x.reshape(b // group, group, *x.shape[1:])[:, 0]
   prompts, prompt_valid = first(batch.prompt_tokens), first(batch.prompt_valid)
   cache = KVCache.zeros(model.cfg, b // group, lp + n)
-  prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache)
+  prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache,
+                               **kw)
   stacked = model.cfg.scan_layers  # [L, rows, ...] caches; unrolled: a tuple of [rows, ...]
   rep = lambda x, axis=0: jnp.repeat(x, group, axis=axis)
   per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
   cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
   before = rep(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32))[:, None]
   positions = jnp.maximum(before + jnp.cumsum(seen.astype(jnp.int32), axis=-1) - 1, 0)
-  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp)
+  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, **kw)
   # The prompt's last state predicts completion token 0; completion state j - 1 predicts j.
   return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
 
@@ -163,10 +168,13 @@ def prompt_layout_ok(batch: TrainBatch, group: int) -> jax.Array:
 
 
 def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
-                        with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None]:
-  """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits)."""
-  model = nnx.merge(graphdef, params)
-  hidden = completion_hidden(model, batch, cfg.shared_prompts)
+                        with_entropy: bool = True, lora_dropout_key: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array | None]:
+  """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits).
+  `params`: the model's `nnx.State`, or a tuple of states that together make it (LoRA: the
+  frozen base and the adapters)."""
+  model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
+  hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key)
   b, n, d = hidden.shape
   out = fused_logprob(
       hidden.reshape(b * n, d), model.unembedding().astype(hidden.dtype),
@@ -177,14 +185,18 @@ def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: 
 
 
 def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, ref_params,
-                      cfg: StepConfig, teacher=None):
+                      cfg: StepConfig, teacher=None, frozen=None, key=None):
   o = cfg.objective
+  if frozen is not None:  # LoRA: the model is the frozen base with these adapters
+    params = (frozen, params)
+    ref_params = None if ref_params is None else (frozen, ref_params)
   if cfg.loss == "sft":
-    logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False)
+    logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False,
+                                  lora_dropout_key=key)
     loss_sum, n = losses.nll(logp, batch.mask)
     loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
     return loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {}, {})
-  logp, entropy = completion_logprobs(graphdef, params, batch, cfg)
+  logp, entropy = completion_logprobs(graphdef, params, batch, cfg, lora_dropout_key=key)
   if o.entropy_coef == 0:
     entropy = jax.lax.stop_gradient(entropy)
   lp_ref = None
@@ -256,25 +268,31 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
   micro = jax.tree.map(lambda x: _split(x, m, max(group, 1)), (batch, advantages))
   ref_params = state.ref_params if cfg.needs_reference() else None
   grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
+  frozen = state.frozen
+  # LoRA dropout's key: a function of the update count and the micro-batch, so a resumed run
+  # drops exactly what the uninterrupted one did.
+  step_key = None if frozen is None else jax.random.fold_in(jax.random.key(0), state.step)
 
   def body(acc, mb):
-    mb_batch, mb_adv = mb
+    (mb_batch, mb_adv), k = mb
     if row_sharding is not None:
       mb_batch, mb_adv = jax.lax.with_sharding_constraint((mb_batch, mb_adv), row_sharding)
+    key = None if step_key is None else jax.random.fold_in(step_key, k)
     (_, stats), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, counts, ref_params, cfg,
-                                teacher)
+                                teacher, frozen, key)
     g_acc, s_acc = acc
     return (jax.tree.map(jnp.add, g_acc, grads), losses.stats.merge(s_acc, stats)), None
 
   _, stats0 = jax.eval_shape(
       lambda: _loss_and_metrics(state.params, graphdef, jax.tree.map(lambda x: x[0], micro[0]),
-                                micro[1][0], counts, ref_params, cfg, teacher))
+                                micro[1][0], counts, ref_params, cfg, teacher, frozen,
+                                step_key))
   # Identity elements: maxes start at -inf and mins at +inf, so empty micro-batches are neutral.
   fill = losses.stats.Stats(
       *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
         for part, v in zip(stats0, (0.0, 0.0, -jnp.inf, jnp.inf))))
   init = (jax.tree.map(jnp.zeros_like, state.params), fill)
-  (grads, stats), _ = jax.lax.scan(body, init, micro)
+  (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(m)))
 
   # Each micro-batch already divided by the global counts: the sum is the batch gradient.
   grad_norm = optax.tree.norm(grads)
@@ -316,10 +334,19 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params, *
   put it on one device. `teacher`: `(graphdef, params)` of a frozen distillation teacher on
   `mesh` (not part of the train state, so not in checkpoints: it is loaded from its source);
   the jitted step takes its params as a third argument (`step.extra_args`).
+
+  LoRA (`params` holding `nnx.LoRAParam` adapters, `jaxrl.models.lora`): the state's params are
+  the adapters alone (their gradients and optimizer state only) and the base goes to
+  `TrainState.frozen`, which the step reads but neither updates nor donates; `init_state` takes
+  the whole model (base and adapters) and the reference, if any, is a copy of the adapters.
   """
-  p_sh = parallel.param_shardings(params, mesh)
+  adapters, base = lora_lib.split(params) if isinstance(params, nnx.State) else ({}, None)
+  lora = bool(jax.tree.leaves(adapters))
+  trained = adapters if lora else params
+  p_sh = parallel.param_shardings(trained, mesh)
+  frozen_sh = parallel.param_shardings(base, mesh) if lora else None
   rep = parallel.replicated(mesh)
-  opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+  opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, trained),
                                  p_sh, transform_non_params=lambda _: rep)
   row = parallel.batch_sharding(mesh)
 
@@ -332,31 +359,43 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params, *
   init_jit = jax.jit(make_state, in_shardings=(p_sh, ref_sh), out_shardings=state_sh)
 
   def init_state(p, ref_params=None):
+    frozen = None
+    if lora:
+      p, frozen = lora_lib.split(p)
     if cfg.needs_reference():
       # The frozen reference defaults to the starting policy (a copy: params get donated).
       ref_params = jax.tree.map(jnp.copy, p) if ref_params is None else ref_params
     else:
       ref_params = None
-    return init_jit(p, ref_params)
+    state = init_jit(p, ref_params)
+    return state if frozen is None else state._replace(frozen=jax.device_put(frozen, frozen_sh))
 
   if teacher is None:
     extra, extra_sh, t_graphdef = (), (), None
   else:
     t_graphdef, t_params = teacher
     extra, extra_sh = (t_params,), (parallel.param_shardings(t_params, mesh),)
-  step_jit = jax.jit(
-      lambda s, b, *t: train_step(s, b, graphdef=graphdef, optimizer=optimizer, cfg=cfg,
-                                  row_sharding=row,
-                                  teacher=(t_graphdef, t[0]) if t else None),
-      in_shardings=(state_sh, row, *extra_sh), out_shardings=(state_sh, rep),
-      donate_argnums=(0,),
-  )
+  def jitted(s, b, *rest):
+    frozen, t = (rest[0], rest[1:]) if lora else (None, rest)
+    new, metrics = train_step(s._replace(frozen=frozen), b, graphdef=graphdef,
+                              optimizer=optimizer, cfg=cfg, row_sharding=row,
+                              teacher=(t_graphdef, t[0]) if t else None)
+    return new._replace(frozen=None), metrics
+
+  step_jit = jax.jit(jitted, in_shardings=(state_sh, row, *((frozen_sh,) if lora else ()),
+                                           *extra_sh),
+                     out_shardings=(state_sh, rep), donate_argnums=(0,))
 
   def step(state, batch):
     check_batch(batch, cfg)
-    return step_jit(state, batch, *extra)
+    if not lora:
+      return step_jit(state, batch, *extra)
+    new, metrics = step_jit(state._replace(frozen=None), batch, state.frozen, *extra)
+    return new._replace(frozen=state.frozen), metrics
 
   step.extra_args = extra
+  step.lora = lora
+  step.frozen_shardings = frozen_sh
   step.jitted = step_jit  # for compile counting and lowering
   step.state_shardings = state_sh
   step.batch_sharding = row
@@ -372,10 +411,21 @@ def compile_step(step, init_state, params, batch: TrainBatch) -> None:
   """
   spec = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding,
                                                   weak_type=getattr(a, "weak_type", False))
-  state = jax.tree.map(spec, jax.eval_shape(init_state, params), step.state_shardings)
+  state = jax.eval_shape(init_state, params)
+  frozen = ()
+  if getattr(step, "lora", False):
+    frozen = (jax.tree.map(spec, state.frozen, step.frozen_shardings),)
+    state = state._replace(frozen=None)
+  state = jax.tree.map(spec, state, step.state_shardings)
   batch = jax.tree.map(lambda a: spec(a, step.batch_sharding), batch)
   extra = jax.tree.map(lambda a: spec(a, a.sharding), getattr(step, "extra_args", ()))
-  step.jitted.lower(state, batch, *extra).compile()
+  step.jitted.lower(state, batch, *frozen, *extra).compile()
+
+
+def model_params(state: TrainState):
+  """The whole model's params of a train state: `params` itself, or with LoRA the frozen base
+  joined with the adapters (`jaxrl.models.lora.join`)."""
+  return state.params if state.frozen is None else lora_lib.join(state.frozen, state.params)
 
 
 def shard_params(params, mesh: Mesh):

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
@@ -37,14 +36,16 @@ from jaxrl import parallel, profiling
 from jaxrl import run_dir as run_dir_lib
 from jaxrl.evaluation import Evaluator
 from jaxrl.loop_state import LoopState
+from jaxrl.models import lora as lora_lib
 from jaxrl.parts import Parts, build_parts
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.producer import RingItem, RolloutProducer, process_share, train_fields
 from jaxrl.pipeline.staleness import staleness_from_rows
-from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl
+from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl, lora_model
+from jaxrl.rollout.precision import rollout_dtype
 from jaxrl.signals import Stop  # noqa: F401  (python -m jaxrl.train installs it)
-from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, to_rows
+from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, model_params, to_rows
 from jaxrl.types import TrainBatch
 
 
@@ -165,15 +166,24 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   # Published params are copies: the train step donates its own buffers, and the worker (or an
   # evaluation pass) may still be reading an older version. Disaggregated, the copy is the
   # reshard onto the rollout mesh; on several processes, each process's copy on its own devices.
-  prepare = share.publish if share is not None else parts.for_rollout \
-      if parts.rollout_mesh is not parts.mesh else (lambda p: jax.tree.map(jnp.copy, p))
+  # With LoRA the samplers run the base model with the adapters merged into its weights: the
+  # base goes to the rollout side once, then each version moves only the adapters.
+  lora = lora_model(parts)
+  if lora is None:
+    prepare = lambda p: parts.rollout_copy(p, share)  # cast to rollout.dtype there
+    merged = lambda p: p
+  else:
+    prepare = lora_lib.AdapterSync(lora, lambda tree: parts.rollout_place(tree, share),
+                                   rollout_dtype(cfg))
+    merged = lambda p: lora_lib.merge(lora, p)
   handoff = ParamsHandoff()  # partial rollouts read its newest version while decoding
   producer = RolloutProducer(parts, parts.train_loop(
       handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
   pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s,
                      inline=not single and share is None, prepare=prepare, handoff=handoff)
   # What evaluation (inline on several processes, so done before the next step) generates with.
-  for_eval = (lambda published: published) if share is None else (lambda _: state.params)
+  for_eval = (lambda published: published) if share is None else \
+      (lambda _: merged(model_params(state)))
   loop = LoopState(warmup=dict(warm or {}), config=run_dir_lib.checkpoint_config(cfg))
   timer = metrics_lib.Timer()
   perf = profiling.StepPerf(parts, params, run_dir)  # time breakdown, MFU, profiler trace
@@ -196,7 +206,14 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
   progress.say(f"RL: {t.steps} GRPO steps of {r.num_prompts} prompts x {r.group_size} samples, "
                f"lag {r.lag}{ds}")
-  published = pipe.publish(loop.step, state.params)
+  if lora is not None:
+    trained, total = lora_lib.counts(model_params(state))
+    opt_values = sum(int(x.size) for x in jax.tree.leaves(state.opt_state))
+    progress.say(f"LoRA rank {lora.lora_rank} (alpha {lora.lora_alpha:g}) on "
+                 f"{','.join(lora.lora_targets)}: {trained:,} trained params of "
+                 f"{trained + total:,} ({100 * trained / (trained + total):.2f}%), optimizer state "
+                 f"{opt_values:,} values, base frozen")
+  published = pipe.publish(loop.step, model_params(state))
   if loop.step == 0 and v.at_start:
     evaluator.submit(0, for_eval(published))
   stopped_at = None
@@ -232,7 +249,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         skipped = int(m["skipped_nonfinite"])
         loop.skipped_updates += skipped
         loop.consecutive_skipped = loop.consecutive_skipped + 1 if skipped else 0
-        published = pipe.publish(step, state.params)
+        published = pipe.publish(step, model_params(state))
         perf.lap("publish")
         if step % v.every == 0 or (v.at_end and step == t.steps):
           evaluator.submit(step, for_eval(published))
@@ -274,7 +291,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     parts.data.clear("train")  # batches still in the ring when the run ends or fails
   progress.newline()
   acc = loop.val_accuracy
-  return state.params, {"val/accuracy_before_rl": acc.get(0, float("nan")),
+  return model_params(state), {"val/accuracy_before_rl": acc.get(0, float("nan")),
                         "val/accuracy_after_rl": acc[max(acc)] if acc else float("nan"),
                         "rl/time_s": timer(), "rl/steps": t.steps, "rl/stopped_at": stopped_at,
                         "train/skipped_updates": loop.skipped_updates,

@@ -30,7 +30,10 @@ class TrainBatch(NamedTuple):
 
 
 class TrainState(NamedTuple):
-  params: object  # nnx.State of the model
+  params: object  # nnx.State of the model (with LoRA: of its adapters, the trained params)
   opt_state: object
   step: jax.Array  # int32 count of applied updates (the published policy version)
   ref_params: object = None  # frozen reference policy; only when a reference-KL term is on
+  # With LoRA: the frozen base model's nnx.State (`jaxrl.models.lora`); the model is
+  # `join(frozen, params)`. Never updated nor donated by the step. None without LoRA.
+  frozen: object = None

@@ -161,10 +161,15 @@ def _rows(run_dir):
   return sorted(rows, key=lambda r: (r["phase"], r.get("step", -1)))
 
 
+# LoRA: the rollout mesh gets the frozen base once and each version's adapters, merged there.
+LORA = ["--config.model.lora.rank=4", "--config.model.lora.learning_rate=3e-3"]
+
+
 @pytest.mark.slow
-def test_disaggregated_run_matches_colocated_with_exact_staleness(tmp_path):
-  procs = {"colocated": _run(tmp_path / "colocated"),
-           "split": _run(tmp_path / "split", ["--config.mesh.rollout=4"])}
+@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
+def test_disaggregated_run_matches_colocated_with_exact_staleness(tmp_path, extra):
+  procs = {"colocated": _run(tmp_path / "colocated", extra),
+           "split": _run(tmp_path / "split", ["--config.mesh.rollout=4", *extra])}
   outs = {}
   for name, p in procs.items():
     try:
@@ -174,6 +179,8 @@ def test_disaggregated_run_matches_colocated_with_exact_staleness(tmp_path):
       raise AssertionError(f"{name} run timed out:\n{p.communicate()[0]}")
     assert p.returncode == 0, outs[name]
   assert "rollouts on devices 4-7" in outs["split"]
+  if extra:
+    assert "LoRA rank 4" in outs["split"]
   base, split = _rows(tmp_path / "colocated"), _rows(tmp_path / "split")
   assert [(r["phase"], r.get("step")) for r in base] == [(r["phase"], r.get("step")) for r in split]
   rl = [r for r in split if r["phase"] == "rl"]

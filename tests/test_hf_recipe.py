@@ -24,7 +24,8 @@ pytest.importorskip("jinja2")
 
 from hf_fixtures import llama_files, qwen_files  # noqa: E402  (tests/ is on sys.path)
 from jaxrl import config as config_lib, export, trainer  # noqa: E402
-from jaxrl.configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k  # noqa: E402
+from jaxrl.configs import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E402
+                           qwen2_5_0_5b_gsm8k, qwen2_5_0_5b_gsm8k_lora)
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from jaxrl.parts import build_parts, make_tokenizer  # noqa: E402
 from jaxrl.models import ModelConfig, init_model  # noqa: E402
@@ -129,7 +130,8 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
 
 
 def test_recipes_name_missing_files_before_building_anything(tmp_path):
-  for recipe in (qwen2_5_0_5b_gsm8k, llama3_2_1b_gsm8k):
+  for recipe in (qwen2_5_0_5b_gsm8k, llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k_lora,
+                 llama3_2_1b_gsm8k_lora):
     cfg = recipe.get_config()
     cfg.model.hf_path = str(tmp_path / "no-model")
     cfg.task.path = str(tmp_path / "no-train.jsonl")

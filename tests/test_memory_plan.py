@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 import sys
 
+import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -177,3 +178,78 @@ def test_memory_analysis_missing_is_reported():
   stats, note = mp.memory_stats(Partial())
   assert stats == {"argument_size_in_bytes": 8, "temp_size_in_bytes": 2}
   assert "output_size_in_bytes" in note and "peak_estimate_bytes" not in stats
+
+
+# LoRA rank 4 on all seven projections of tiny_model_config. A target adapting a [din, dout]
+# projection holds A [L, din, r] and B [L, r, dout]: L x (din + dout) x r parameters.
+R = 4
+LORA_DIMS = {"q": (D, H * DH), "k": (D, K * DH), "v": (D, K * DH), "o": (H * DH, D),
+             "gate": (D, F), "up": (D, F), "down": (F, D)}
+ADAPTERS = sum(L * (din + dout) * R for din, dout in LORA_DIMS.values())
+# = 2 x 4 x ((32+32) + 2 (32+16) + (32+32) + 2 (32+64) + (64+32)) = 8 x 512
+assert ADAPTERS == 4096
+
+
+def _lora_plan(mesh_shape, param_dtype="float32", **kw):
+  import types
+  from jaxrl.models import lora
+  cfg = lora.with_lora(tiny_model_config(param_dtype=param_dtype, dtype=param_dtype),
+                       types.SimpleNamespace(rank=R, alpha=8.0, targets=",".join(LORA_DIMS),
+                                             dropout=0.0))
+  return mp.plan(cfg, parallel.make_mesh(*mesh_shape), SIZES, **kw)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 4, 1)])
+@pytest.mark.parametrize("param_dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
+def test_lora_trains_adapters_only(devices, mesh_shape, param_dtype, itemsize):
+  full, r = _plan(mesh_shape, param_dtype), _lora_plan(mesh_shape, param_dtype)
+  fsdp = mesh_shape[1]
+  b, g = r["per_device_bytes"], r["global_bytes"]
+  assert r["params"] == SHARDED + REPLICATED  # the model's own, adapters not counted
+  assert r["trainable_params"] == r["lora"]["adapter_params"] == ADAPTERS
+  assert r["lora"]["adapter_params_arithmetic"] == ADAPTERS
+  assert mp.lora_params(mp.qwen_config("0.5b")) == 0  # no rank: no adapters
+  # Adapters are f32 whatever the base's dtype, and replicated (their rule: ('layers', None,
+  # None)): all of them on every device. The frozen base is laid out as the full model's params.
+  assert b["trainable_params"] == g["trainable_params"] == ADAPTERS * 4
+  assert b["frozen_params"] == full["per_device_bytes"]["params"] == \
+      (SHARDED // fsdp + REPLICATED) * itemsize
+  assert b["params"] == b["frozen_params"] + b["trainable_params"]
+  # Gradients and Adam's mu + nu for the adapters alone (+ int32 step counts).
+  assert b["gradients"] == ADAPTERS * 4
+  extra = b["optimizer_state"] - 2 * ADAPTERS * 4
+  assert 0 < extra <= 16 and extra % 4 == 0
+  # The sampler gets merged weights in the base layout: published copy and KV cache as without.
+  assert b["published_params"] == b["frozen_params"]
+  assert b["kv_cache"] == full["per_device_bytes"]["kv_cache"]
+  t = r["totals_bytes"]
+  assert t["train"] == b["params"] + b["gradients"] + b["optimizer_state"] + b["train_batch"]
+  assert t["rollout"] == b["published_params"] + b["kv_cache"]
+  assert t["lag1"] == t["train"] + t["rollout"]
+  c = mp.lora_comparison(full, r)
+  assert c["trainable_params"] == [SHARDED + REPLICATED, ADAPTERS]
+  assert c["per_device_bytes"]["gradients"] == {
+      "without_lora": full["per_device_bytes"]["params"], "with_lora": ADAPTERS * 4,
+      "ratio": round(ADAPTERS * 4 / full["per_device_bytes"]["params"], 5)}
+
+
+def test_lora_adapter_counts_of_qwen_shapes():
+  """Rank 16 on q, k, v, o, gate, up, down: L x 16 x sum of (din + dout), from each config.json
+  (heads x head_dim for q/o, kv heads x head_dim for k/v). Shapes only: nothing allocated."""
+  import types
+  from jaxrl.models import lora
+  section = types.SimpleNamespace(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down",
+                                  dropout=0.0)
+  expected = {
+      # 24 x 16 x ((896+896) + 2 (896+128) + (896+896) + 2 (896+4864) + (4864+896))
+      "0.5b": 24 * 16 * (1792 + 2 * 1024 + 1792 + 2 * 5760 + 5760),
+      # 28 x 16 x ((1536+1536) + 2 (1536+256) + (1536+1536) + 2 (1536+8960) + (8960+1536))
+      "1.5b": 28 * 16 * (3072 + 2 * 1792 + 3072 + 2 * 10496 + 10496),
+      # 28 x 16 x ((3584+3584) + 2 (3584+512) + (3584+3584) + 2 (3584+18944) + (18944+3584))
+      "7b": 28 * 16 * (7168 + 2 * 4096 + 7168 + 2 * 22528 + 22528),
+  }
+  assert expected == {"0.5b": 8_798_208, "1.5b": 18_464_768, "7b": 40_370_176}
+  for name, n in expected.items():
+    cfg = lora.with_lora(mp.qwen_config(name), section)
+    got = sum(int(x.size) for x in jax.tree.leaves(lora.abstract_adapters(cfg)))
+    assert got == mp.lora_params(cfg) == n, name

@@ -95,9 +95,16 @@ def one_and_two_processes(program: str, tmp_path, timeout: float = 600):
   return base_out.stdout, communicate(procs, timeout)
 
 
+# LoRA on two processes: each process's rollout copy gets the frozen base once and then each
+# version's adapters (gathered to its own devices), merged there.
+RUN_LORA = RUN.replace("cfg.mesh.data = -1\n", "cfg.mesh.data = -1\ncfg.model.lora.rank = 4\n"
+                       "cfg.model.lora.learning_rate = 3e-3\n")
+
+
 @pytest.mark.slow
-def test_two_processes_overlap_and_match_one_process(tmp_path):
-  _, outs = one_and_two_processes(RUN, tmp_path)
+@pytest.mark.parametrize("program", [RUN, RUN_LORA], ids=["full", "lora"])
+def test_two_processes_overlap_and_match_one_process(tmp_path, program):
+  _, outs = one_and_two_processes(program, tmp_path)
   base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
 
   # The worker thread made every batch, with params on its own process's devices; 4 steps at

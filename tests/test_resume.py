@@ -102,15 +102,24 @@ def _kill_after_checkpoint(args, run_dir, cwd, rng) -> int:
   return target
 
 
+# LoRA with dropout: the adapters, their optimizer state and the frozen base are checkpointed,
+# and the dropout masks are a function of the update count, so the resumed run drops the same.
+LORA = ("--config.model.lora.rank=4", "--config.model.lora.dropout=0.1",
+        "--config.model.lora.learning_rate=3e-3")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lag", [0, 2])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, lag):
-  rng = random.Random(lag)
+@pytest.mark.parametrize("lag,extra", [(0, ()), (2, ()), (2, LORA)], ids=["lag0", "lag2",
+                                                                         "lag2-lora"])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, lag, extra):
+  rng = random.Random(lag + len(extra))
   base_dir, cut_dir = tmp_path / "base", tmp_path / "cut"
-  _finish(_popen(_args(base_dir, lag), tmp_path))
-  killed_at = _kill_after_checkpoint(_args(cut_dir, lag), cut_dir, tmp_path, rng)
+  base_out = _finish(_popen(_args(base_dir, lag, *extra), tmp_path))
+  if extra:
+    assert "LoRA rank 4" in base_out and "trained params" in base_out
+  killed_at = _kill_after_checkpoint(_args(cut_dir, lag, *extra), cut_dir, tmp_path, rng)
   assert 3 <= max(_checkpoints(cut_dir)) and killed_at >= 4
-  out = _finish(_popen(_args(cut_dir, lag), tmp_path))  # resume=auto
+  out = _finish(_popen(_args(cut_dir, lag, *extra), tmp_path))  # resume=auto
   assert "resumed from step" in out
   _assert_same(_rows(base_dir), _rows(cut_dir))
 

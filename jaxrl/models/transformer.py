@@ -86,12 +86,24 @@ class ModelConfig:
   # rest. Same values either way; only forward passes without a KV cache (training, scoring) use
   # it.
   remat: str = "none"
+  # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
+  # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`
+  # (`names.LORA_TARGETS`), whose product scaled by `lora_alpha / lora_rank` is added to that
+  # projection's output; `lora_dropout` drops the adapter's input when a dropout key is given.
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: tuple[str, ...] = ()
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
     # "none" somewhere, or fail deep inside jit.
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
+    unknown = set(self.lora_targets) - set(names.LORA_TARGETS)
+    if unknown or (self.lora_rank and not self.lora_targets):
+      raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "
+                       f"{names.LORA_TARGETS}")
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
     if self.rope_scaling != "none" and not self.rope_factor > 0:
@@ -246,6 +258,13 @@ class Transformer(nnx.Module):
     self.final_norm = const(1.0, D)
     if not cfg.tie_embeddings:
       self.lm_head = normal(D, V)
+    if cfg.lora_rank:
+      # Their own key, drawn after every base weight's: the base initialises exactly as it does
+      # without LoRA.
+      lora_rngs = nnx.Rngs(params=rngs.params())
+      for t in cfg.lora_targets:
+        din, dout = lora_dims(cfg, t)
+        setattr(self, f"lora_{t}", _stacked_lora(L, din, cfg.lora_rank, dout, lora_rngs))
 
   def _layer_params(self) -> dict:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
@@ -273,6 +292,15 @@ class Transformer(nnx.Module):
       out.append(p)
     return tuple(out)
 
+  def lora_weights(self) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Target -> (A [L, din, rank], B [L, rank, dout]) in the compute dtype; {} without LoRA."""
+    dt = DTYPES[self.cfg.dtype]
+    out = {}
+    for t in self.cfg.lora_targets if self.cfg.lora_rank else ():
+      m = getattr(self, f"lora_{t}")
+      out[t] = (m.lora_a[...].astype(dt), m.lora_b[...].astype(dt))
+    return out
+
   def __call__(
       self,
       tokens: jax.Array,  # [B, T] int
@@ -281,11 +309,12 @@ class Transformer(nnx.Module):
       cache: KVCache | None = None,
       cache_index: jax.Array | int = 0,  # slot of tokens[:, 0] in the cache
       layers: tuple[dict, ...] | None = None,  # `layer_weights()`, prepared by the caller
+      lora_dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Returns final hidden states [B, T, D] (after the final norm) and the updated cache.
 
     `layers` (unrolled models only) lets a decode loop prepare `layer_weights()` once, outside
-    the loop.
+    the loop. `lora_dropout_key` (training only) turns on `lora_dropout`.
     """
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
@@ -315,10 +344,16 @@ class Transformer(nnx.Module):
       """x [B, T, Din] times a weight whose leading axis is Din: [B, T, Dout]."""
       return jnp.tensordot(x, w.reshape(x.shape[-1], -1), 1)
 
-    def block(h, p, kv, dense=None):
+    adapters = self.lora_weights()
+    dropout = cfg.lora_dropout if lora_dropout_key is not None else 0.0
+
+    def block(h, p, kv, dense=None, lora=None, key=None):
       """One decoder layer; `kv(k, v)` stores the new keys/values and returns all of them;
-      `dense(x, name)` multiplies by weight `name` (default: `p[name]`)."""
+      `dense(x, name)` multiplies by weight `name` (default: `p[name]`); `lora`: this layer's
+      adapters (target -> (A, B)), added to the projections they adapt (`key`: dropout)."""
       dense = dense or (lambda x, name: matmul(x, p[name]))
+      if lora:
+        dense = _lora_dense(dense, lora, cfg, dropout, key)
       # Under a training mesh, rows stay split over the batch axes through the layer (see
       # `constrain_rows`): the residual stream with d_model whole, intermediates row-split with
       # their other dims left to XLA.
@@ -382,10 +417,13 @@ class Transformer(nnx.Module):
           ks.append(write(cache.k[i], k, (0, 0, 0, cache_index)))
           vs.append(write(cache.v[i], v, (0, 0, cache_index, 0)))
           return ks[-1], vs[-1]
+        lora = {t: (a[i], b[i]) for t, (a, b) in adapters.items()}
+        key = None if not dropout else jax.random.fold_in(lora_dropout_key, i)
         if policy is None:
-          x = block(x, layers[i], kv)
+          x = block(x, layers[i], kv, lora=lora, key=key)
         else:
-          x = jax.checkpoint(lambda h, p, kv=kv: block(h, p, kv), policy=policy)(x, layers[i])
+          x = jax.checkpoint(lambda h, p, lo, kv=kv, key=key: block(h, p, kv, lora=lo, key=key),
+                             policy=policy)(x, layers[i], lora)
       if cache is not None:
         new_cache = KVCache(tuple(ks), tuple(vs), key_valid)
     else:
@@ -406,7 +444,7 @@ class Transformer(nnx.Module):
 
       def body(carry, xs):
         h, k_cache, v_cache = carry
-        p, i = xs
+        p, lora, i = xs
         out = {}
         layer_dense = None if dense is None else (lambda x, name: dense(x, big_w[name], i))
 
@@ -418,7 +456,8 @@ class Transformer(nnx.Module):
           return (jax.lax.dynamic_index_in_dim(out["k"], i, keepdims=False),
                   jax.lax.dynamic_index_in_dim(out["v"], i, keepdims=False))
 
-        h = block(h, p, kv, layer_dense)
+        key = None if not dropout else jax.random.fold_in(lora_dropout_key, i)
+        h = block(h, p, kv, layer_dense, lora, key)
         return (h, out.get("k", k_cache), out.get("v", v_cache)), None
 
       if policy is not None:
@@ -426,7 +465,8 @@ class Transformer(nnx.Module):
         # the recomputation back into the forward pass, and the barriers would only cost.
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
       init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-      (x, k_cache, v_cache), _ = jax.lax.scan(body, init, (stacked, jnp.arange(cfg.num_layers)))
+      (x, k_cache, v_cache), _ = jax.lax.scan(body, init,
+                                              (stacked, adapters, jnp.arange(cfg.num_layers)))
       if cache is not None:
         new_cache = KVCache(k_cache, v_cache, key_valid)
     if new_cache is not None:
@@ -443,6 +483,64 @@ class Transformer(nnx.Module):
     """float32 logits [..., V]."""
     w = self.unembedding().astype(hidden.dtype)
     return jnp.einsum("...d,dv->...v", hidden, w).astype(jnp.float32)
+
+
+# The projections behind each weight name of a layer (fused ones: their parts in order), and
+# the LoRA target adapting each.
+_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+_LORA_TARGET = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
+                "w_down": "down"}
+
+
+_DROPOUT_SALT = {n: i for i, n in enumerate((*_PROJECTIONS, *_LORA_TARGET))}
+
+
+def lora_dims(cfg: ModelConfig, target: str) -> tuple[int, int]:
+  """(din, dout) of the projection LoRA target `target` adapts (heads flattened, as in HF)."""
+  D, F = cfg.d_model, cfg.mlp_dim
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return {"q": (D, q), "k": (D, kv), "v": (D, kv), "o": (q, D), "gate": (D, F), "up": (D, F),
+          "down": (F, D)}[target]
+
+
+def _stacked_lora(layers: int, din: int, rank: int, dout: int, rngs: nnx.Rngs) -> nnx.LoRA:
+  """`layers` `nnx.LoRA(din, rank, dout)` adapters stacked on a leading axis (`nnx.vmap`): each
+  layer's A is initialised on its own key, B at zero, so the adapted model starts equal to the
+  base."""
+  @nnx.split_rngs(splits=layers)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(r):
+    return nnx.LoRA(din, rank, dout, rngs=r)
+  return make(rngs)
+
+
+def _lora_dense(dense, lora: dict, cfg: ModelConfig, dropout: float, key):
+  """`dense` plus the layer's adapters: for a weight adapted on target t, `x` times `nnx.LoRA`'s
+  `A @ B` (this layer's slices) times `lora_alpha / lora_rank` is added to its output (for a fused
+  weight, each adapted part's columns); `dropout` drops the adapter's input (with `key`)."""
+  scale = cfg.lora_alpha / cfg.lora_rank
+
+  def adapted(x, name):
+    y = dense(x, name)
+    parts = _PROJECTIONS.get(name, (name,))
+    targets = [_LORA_TARGET.get(n) for n in parts]
+    if not any(t in lora for t in targets):
+      return y
+    xin = x
+    if dropout:
+      keep = jax.random.bernoulli(jax.random.fold_in(key, _DROPOUT_SALT[name]), 1 - dropout,
+                                  x.shape)
+      xin = jnp.where(keep, x / (1 - dropout), 0).astype(x.dtype)
+    deltas = []
+    for t in targets:
+      if t in lora:
+        a, b = lora[t]
+        deltas.append((xin @ a) @ b * scale)
+      else:
+        deltas.append(jnp.zeros((*x.shape[:-1], lora_dims(cfg, t)[1]), y.dtype))
+    return y + jnp.concatenate(deltas, axis=-1).astype(y.dtype)
+
+  return adapted
 
 
 _STREAM_CHUNK_BYTES = 2 << 20

@@ -40,6 +40,9 @@ PARAM_AXES = {
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    # LoRA adapters (A [layers, din, rank], B [layers, rank, dout]): small, replicated.
+    "lora_a": ("layers", None, None),
+    "lora_b": ("layers", None, None),
 }
 LOGICAL_TO_MESH = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
                    "mlp": "tensor", "layers": None}

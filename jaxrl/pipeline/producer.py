@@ -19,6 +19,10 @@ those rows, so the rows get the same tokens. Its item carries the rows on the ho
 (`LocalRows`); `globalize`, run by the trainer thread in batch order on every process, gathers
 the metadata of every process's rows and assembles the global train batch
 (`jax.make_array_from_process_local_data` over the train mesh's row sharding).
+
+`ProcessShare.publish` makes each process's copy of a params version in the samplers' dtype
+(`rollout.dtype`, `jaxrl.rollout.precision`): a narrower dtype is cast on the train mesh before
+the gather, so each process receives half the bytes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from jaxrl.pipeline.data_plane import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
 from jaxrl.pipeline.staleness import row_versions
 from jaxrl.rollout.multi_turn import Episodes
+from jaxrl.rollout.precision import cast_first, cast_params, needs_cast, rollout_dtype
 from jaxrl.types import TrainBatch
 
 # Per-row outcomes of `Episodes` kept as host tags of a batch's metadata, not device fields.
@@ -66,11 +71,17 @@ class ProcessShare:
   starts: tuple[int, ...]
   train_mesh: Mesh
   mesh: Mesh
+  dtype: str | None = None  # the samplers' dtype (`rollout.dtype`); None: the trainer's
 
   def publish(self, params):
-    """A copy of the train params on this process's rollout mesh: a global program, so the
-    trainer thread calls it at the same point on every process."""
-    return parallel.distributed.publish_local(params, self.train_mesh, self.mesh)
+    """A copy of the train params on this process's rollout mesh, in `dtype`: a global program,
+    so the trainer thread calls it at the same point on every process. A narrower dtype is cast
+    before the gather (a global program too: half the bytes gathered), a wider one after it, on
+    this process's devices."""
+    if cast_first(params, self.dtype):
+      params = cast_params(params, self.dtype)
+    out = parallel.distributed.publish_local(params, self.train_mesh, self.mesh)
+    return cast_params(out, self.dtype) if needs_cast(out, self.dtype) else out
 
 
 def process_share(parts) -> ProcessShare | None:
@@ -127,7 +138,7 @@ def split_by_process(parts) -> ProcessShare | None:
   a, b = spans[me]
   return ProcessShare(me, a // G, (b - a) // G, len(boxes[me]),
                       tuple(spans[q][0] for q in range(jax.process_count())), parts.mesh,
-                      parallel.distributed.local_mesh(parts.mesh))
+                      parallel.distributed.local_mesh(parts.mesh), rollout_dtype(parts.cfg))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""The sampler's precision (`rollout.dtype`), independent of the trainer's.
+
+`rollout_dtype(cfg)` is the dtype the sampler's model runs in, or None where it is the trainer's
+("auto", or both `model.param_dtype` and `model.dtype` already that dtype). `rollout_model(cfg,
+model_cfg)` is the sampler's model config: params *and* compute (hence the KV cache) in that
+dtype. Log-probs stay float32 whatever it is (`jaxrl.models.token_logprobs` casts the logits).
+
+`cast_params(params, dtype)` makes the sampler's copy of a params version: a fresh buffer for
+every leaf (floating leaves cast, others copied), on the leaf's own sharding, as one jitted
+program per tree structure, so a publish is one dispatch. Fresh always, even where nothing is
+cast: the train step donates its own buffers, and the published copy must outlive that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models import DTYPES, ModelConfig
+
+
+def rollout_dtype(cfg) -> str | None:
+  """The sampler's dtype of run config `cfg` ("float32", "bfloat16"), or None for the trainer's
+  own (`rollout.dtype = "auto"`, or equal to both `model.param_dtype` and `model.dtype`)."""
+  d = cfg.rollout.dtype
+  if d == "auto" or d == cfg.model.param_dtype == cfg.model.dtype:
+    return None
+  return d
+
+
+def rollout_model(cfg, model_cfg: ModelConfig) -> ModelConfig:
+  """The sampler's model config: `model_cfg` itself for the trainer's precision, else with params
+  and compute (so the KV cache) in `rollout_dtype(cfg)`."""
+  d = rollout_dtype(cfg)
+  return model_cfg if d is None else dataclasses.replace(model_cfg, param_dtype=d, dtype=d)
+
+
+def cast_first(params, dtype: str | None) -> bool:
+  """Whether to cast `params` before moving them to other devices rather than after: `dtype` is
+  narrower than some floating leaf, so the move carries fewer bytes (and the destination never
+  holds the wide copy)."""
+  if dtype is None:
+    return False
+  size = jnp.dtype(DTYPES[dtype]).itemsize
+  return any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > size
+             for x in jax.tree.leaves(params))
+
+
+def needs_cast(params, dtype: str | None) -> bool:
+  """Whether some floating leaf of `params` is not of `dtype` (None: never)."""
+  return dtype is not None and any(
+      jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != DTYPES[dtype]
+      for x in jax.tree.leaves(params))
+
+
+def cast_params(params, dtype: str | None):
+  """A fresh copy of `params` (a pytree of `jax.Array`s, e.g. an `nnx.State`) with every floating
+  leaf cast to `dtype` (None: kept as it is) and every leaf on its own sharding.
+
+  Never returns an input buffer, so the copy survives the donation of `params`. One jitted
+  program per (tree structure, shardings, dtype) and set of devices the leaves are on (one for
+  params on one mesh); on several processes it is a global program, to be launched at the same
+  point on every process.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  groups: dict[frozenset, list[int]] = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+  out = list(leaves)
+  for idx in groups.values():
+    program = _cast_program(tuple(leaves[i].sharding for i in idx), dtype)
+    for i, y in zip(idx, program([leaves[i] for i in idx])):
+      out[i] = y
+  return jax.tree.unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_program(shardings: tuple, dtype: str | None):
+  to = None if dtype is None else DTYPES[dtype]
+
+  def cast(leaves):
+    # A copy where nothing is cast: a jitted output is a new buffer, never the argument's.
+    return [x.astype(to) if to is not None and jnp.issubdtype(x.dtype, jnp.floating)
+            else jnp.copy(x) for x in leaves]
+
+  return jax.jit(cast, out_shardings=list(shardings))
