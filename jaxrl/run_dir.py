@@ -129,16 +129,20 @@ CHECKPOINT_KEYS = (
     "rollout.max_new_tokens", "rollout.max_total_tokens", "rollout.logprobs", "model.hf_path",
     "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
     "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.qkv_bias", "model.qk_norm",
-    "model.tie_embeddings", "model.param_dtype", "model.scan_layers")
+    "model.tie_embeddings", "model.param_dtype", "model.scan_layers", "model.lora.rank",
+    "model.lora.targets")
+
+
+def _value(cfg, key: str):
+  """The value at dotted `key` of a config (or its dict)."""
+  for part in key.split("."):
+    cfg = cfg[part]
+  return cfg
 
 
 def checkpoint_config(cfg) -> dict:
   """The values of `CHECKPOINT_KEYS` in run config `cfg` (saved with every checkpoint)."""
-  out = {}
-  for key in CHECKPOINT_KEYS:
-    section, name = key.split(".") if "." in key else (None, key)
-    out[key] = (cfg[section] if section else cfg)[name]
-  return out
+  return {key: _value(cfg, key) for key in CHECKPOINT_KEYS}
 
 
 def config_changes(cfg, host: dict, run_dir: str) -> list[str]:
@@ -150,8 +154,12 @@ def config_changes(cfg, host: dict, run_dir: str) -> list[str]:
     try:
       with open(os.path.join(run_dir, "config.json")) as f:
         whole = json.load(f)
-      saved = {k: (whole[k.split(".")[0]][k.split(".")[1]] if "." in k else whole[k])
-               for k in CHECKPOINT_KEYS}
+      saved = {}
+      for k in CHECKPOINT_KEYS:
+        try:
+          saved[k] = _value(whole, k)
+        except KeyError:  # a key newer than that run (e.g. model.lora.*): not compared
+          pass
     except (OSError, ValueError, KeyError):
       return []
   now = checkpoint_config(cfg)

@@ -15,6 +15,7 @@ from flax import nnx
 from conftest import tiny_model_config
 from jaxrl import config as config_lib
 from jaxrl import checkpoint, parallel, trainer
+from jaxrl import run_dir as run_dir_lib
 from jaxrl.configs.default import get_config
 from jaxrl.models import KVCache, abstract_model, init_model, left_positions
 from jaxrl.models import lora
@@ -41,6 +42,17 @@ def _randomize(params, scale=0.1, seed=3):
   return lora.join(base, adapters)
 
 
+def _hidden(graphdef, params, cache=None, cache_index=0, tokens=None):
+  """The model's final hidden states (and cache) for `tokens` (default `_tokens()`), jitted:
+  eagerly every op of the model would compile on its own."""
+  toks, pos, valid = _tokens() if tokens is None else tokens
+  return _FORWARD(graphdef, params, toks, pos, valid, cache, cache_index)
+
+
+_FORWARD = jax.jit(lambda g, p, toks, pos, valid, cache, index: nnx.merge(g, p)(
+    toks, pos, valid, cache=cache, cache_index=index), static_argnums=(0,))
+
+
 def _tokens(b=3, t=7, vocab=32):
   toks = jax.random.randint(jax.random.key(1), (b, t), 0, vocab)
   valid = jnp.ones((b, t), bool).at[0, :2].set(False)  # a left-padded row
@@ -64,26 +76,25 @@ def test_fresh_adapters_leave_the_base_model_unchanged(scan):
   assert adapters["lora_k"]["lora_b"].shape == (2, 4, 16)   # 2 kv heads x 8
   assert adapters["lora_down"]["lora_a"].shape == (2, 64, 4)
   assert not np.any(np.asarray(adapters["lora_q"]["lora_b"][...]))
-  h0, _ = nnx.merge(g0, p0)(*_tokens())
-  h1, _ = nnx.merge(g1, p1)(*_tokens())
+  h0, _ = _hidden(g0, p0)
+  h1, _ = _hidden(g1, p1)
   np.testing.assert_array_equal(h0, h1)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.parametrize("targets", [ALL, ("q", "v"), ("k", "up")])
+@pytest.mark.parametrize("scan,targets", [(False, ALL), (True, ALL), (False, ("q", "v")),
+                                          (True, ("k", "up"))])
 def test_adapters_add_alpha_over_rank_times_a_b_to_each_projection(scan, targets):
   """The adapted model equals the base model with `W + alpha / r * A @ B` in each adapted weight
   (`merged_weights`), fused (unrolled q/k/v, gate/up) or not, and the adapters change it."""
   cfg = _lora_cfg(scan, targets)
   g1, p1 = init_model(cfg, 0)
   p1 = _randomize(p1)
-  h_lora, _ = nnx.merge(g1, p1)(*_tokens())
-  g0, _ = init_model(lora.base_config(cfg), 0)
+  h_lora, _ = _hidden(g1, p1)
+  g0 = abstract_model(lora.base_config(cfg))[0]
   merged = lora.merge(cfg, p1)
-  h_merged, _ = nnx.merge(g0, merged)(*_tokens())
+  h_merged, _ = _hidden(g0, merged)
   np.testing.assert_allclose(h_lora, h_merged, atol=2e-5)
-  h_base, _ = nnx.merge(g1, lora.join(lora.split(p1)[1], lora.split(init_model(cfg, 0)[1])[0]))(
-      *_tokens())
+  h_base, _ = _hidden(g1, lora.join(lora.split(p1)[1], lora.split(init_model(cfg, 0)[1])[0]))
   assert float(jnp.abs(h_lora - h_base).max()) > 0.1
   # Merging by hand for one weight: the arithmetic of `merged_weights`.
   if "q" in targets:
@@ -97,15 +108,14 @@ def test_adapters_add_alpha_over_rank_times_a_b_to_each_projection(scan, targets
 def test_decode_with_a_cache_matches_the_full_forward():
   cfg = _lora_cfg(scan=True)
   g, p = init_model(cfg, 0)
-  m = nnx.merge(g, _randomize(p))
+  p = _randomize(p)
   toks, pos, valid = _tokens()
-  full, _ = m(toks, pos, valid)
+  full, _ = _hidden(g, p)
   cache = KVCache.zeros(cfg, 3, 7)
-  out, cache = m(toks[:, :4], pos[:, :4], valid[:, :4], cache=cache)
+  out, cache = _hidden(g, p, cache, 0, (toks[:, :4], pos[:, :4], valid[:, :4]))
   outs = [out]
   for t in range(4, 7):
-    o, cache = m(toks[:, t:t + 1], pos[:, t:t + 1], valid[:, t:t + 1], cache=cache,
-                 cache_index=t)
+    o, cache = _hidden(g, p, cache, t, (toks[:, t:t + 1], pos[:, t:t + 1], valid[:, t:t + 1]))
     outs.append(o)
   np.testing.assert_allclose(jnp.concatenate(outs, 1)[1:], full[1:], atol=1e-4)
 
@@ -157,21 +167,18 @@ def test_the_first_lora_step_has_the_full_models_loss_and_the_adapters_gradient(
   _, params = init_model(cfg, 0)
   base_cfg = lora.base_config(cfg)
   _, base_params = init_model(base_cfg, 0)
-  batch = _batch()
-  step_l, init_l = _step(cfg, params, lr=0.0)
-  step_f, init_f = _step(base_cfg, base_params, lr=0.0)
-  sl, ml = step_l(init_l(params), batch)
-  sf, mf = step_f(init_f(base_params), batch)
-  np.testing.assert_allclose(float(ml["loss"]), float(mf["loss"]), rtol=1e-6)
-  # Gradients through the public loss path: d loss / d adapters vs d loss / d W.
+  # Through the trainer's own log-prob path (`completion_logprobs`, the base and the adapters as
+  # the step passes them): the summed NLL and its gradients, jitted.
   g_l, g_f = abstract_model(cfg)[0], abstract_model(base_cfg)[0]
   scfg = StepConfig(loss="sft")
-  tb = jax.tree.map(jnp.asarray, batch)
+  tb = jax.tree.map(jnp.asarray, _batch())
   adapters, base = lora.split(params)
   loss_l = lambda ad: -jnp.sum(completion_logprobs(g_l, (base, ad), tb, scfg, False)[0])
   loss_f = lambda p: -jnp.sum(completion_logprobs(g_f, p, tb, scfg, False)[0])
-  ga = jax.grad(loss_l)(adapters)
-  gw = jax.grad(loss_f)(base_params)["wq"][...].reshape(2, 32, 32)
+  (vl, ga), (vf, gw) = (jax.jit(jax.value_and_grad(loss_l))(adapters),
+                        jax.jit(jax.value_and_grad(loss_f))(base_params))
+  np.testing.assert_allclose(float(vl), float(vf), rtol=1e-6)
+  gw = gw["wq"][...].reshape(2, 32, 32)
   a = adapters["lora_q"]["lora_a"][...]
   want_b = 2.0 * jnp.einsum("lir,lio->lro", a, gw)  # s = alpha / r = 8 / 4
   np.testing.assert_allclose(ga["lora_q"]["lora_b"][...], want_b, rtol=1e-4, atol=1e-6)
@@ -184,8 +191,8 @@ def test_dropout_is_a_function_of_the_update_count():
   _, params = init_model(cfg, 0)
   params = _randomize(params)
   losses = []
+  step, init = _step(cfg, params, loss="sft", lr=0.0)
   for _ in range(2):
-    step, init = _step(cfg, params, loss="sft", lr=0.0)
     state = init(params)
     run = []
     for _ in range(2):
@@ -225,8 +232,9 @@ def test_a_tiny_lora_run_reports_counts_and_checkpoints_the_frozen_base(tmp_path
   adapters as the train state's params and the same frozen base at every step."""
   cfg = get_config()
   cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
-  cfg.sft.max_steps, cfg.sft.eval_every, cfg.train.steps = 10, 10, 4
-  cfg.val.every, cfg.task.dev_size, cfg.task.val_size, cfg.val.batch_size = 2, 32, 32, 32
+  cfg.sft.enabled, cfg.train.steps = False, 4
+  cfg.val.at_start = cfg.val.at_end = False
+  cfg.val.every, cfg.task.dev_size, cfg.task.val_size, cfg.val.batch_size = 1000, 32, 32, 32
   cfg.rollout.num_prompts, cfg.rollout.lag = 4, 1
   cfg.rollout.engine, cfg.rollout.partial_rollouts = "continuous", True
   cfg.model.lora.rank = 4
@@ -280,3 +288,18 @@ def test_the_rollout_mesh_gets_the_base_once_then_adapter_bytes_only():
   for a, b, w in zip(jax.tree.leaves(first), jax.tree.leaves(second), jax.tree.leaves(want)):
     assert a.sharding.device_set <= rollout_devices
     np.testing.assert_allclose(np.asarray(b), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def test_resuming_with_another_lora_rank_or_targets_is_refused_by_name():
+  """`model.lora.rank` and `.targets` are checkpoint keys: a resume that changes them is named
+  before anything is restored (the adapters' shapes would not fit the checkpoint)."""
+  saved = get_config()
+  saved.model.lora.rank = 4
+  host = {"config": run_dir_lib.checkpoint_config(saved)}
+  now = get_config()
+  now.model.lora.rank = 8
+  now.model.lora.targets = "q,v"
+  assert run_dir_lib.config_changes(now, host, "unused") == [
+      "config.model.lora.rank = 4 in the checkpoint, 8 now",
+      "config.model.lora.targets = 'q,k,v,o,gate,up,down' in the checkpoint, 'q,v' now"]
+  assert run_dir_lib.config_changes(saved, host, "unused") == []
