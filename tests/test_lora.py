@@ -4,6 +4,7 @@ step that trains only adapters, merging, and runs with LoRA."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -33,6 +34,13 @@ def _lora_cfg(scan=False, targets=ALL, **kw):
                            **kw)
 
 
+@functools.lru_cache(maxsize=None)
+def _init(cfg):
+  """`init_model(cfg, 0)`, made once per config for the whole file (each is a compile); callers
+  never donate these params."""
+  return init_model(cfg, 0)
+
+
 def _randomize(params, scale=0.1, seed=3):
   """The same params with non-zero adapters (B starts at zero: the adapted model equals its
   base until B moves)."""
@@ -59,13 +67,18 @@ def _tokens(b=3, t=7, vocab=32):
   return toks, left_positions(valid), valid
 
 
-@pytest.mark.parametrize("scan", [False, True])
+# One case of each model test runs in the fast suite; the other layouts, whole runs and dropout
+# (each a compile of its own) run with the slow tests.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=SLOW)])
 def test_fresh_adapters_leave_the_base_model_unchanged(scan):
   """Adding LoRA draws no key a base weight uses (the base initialises as without it) and B = 0
   makes the adapted model equal its base exactly."""
   cfg = _lora_cfg(scan)
-  g0, p0 = init_model(lora.base_config(cfg), 0)
-  g1, p1 = init_model(cfg, 0)
+  g0, p0 = _init(lora.base_config(cfg))
+  g1, p1 = _init(cfg)
   adapters, base = lora.split(p1)
   assert jax.tree.structure(base) == jax.tree.structure(p0)
   for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(p0)):
@@ -81,20 +94,21 @@ def test_fresh_adapters_leave_the_base_model_unchanged(scan):
   np.testing.assert_array_equal(h0, h1)
 
 
-@pytest.mark.parametrize("scan,targets", [(False, ALL), (True, ALL), (False, ("q", "v")),
-                                          (True, ("k", "up"))])
+@pytest.mark.parametrize("scan,targets", [
+    (False, ALL), pytest.param(True, ALL, marks=SLOW), pytest.param(False, ("q", "v"), marks=SLOW),
+    pytest.param(True, ("k", "up"), marks=SLOW)])
 def test_adapters_add_alpha_over_rank_times_a_b_to_each_projection(scan, targets):
   """The adapted model equals the base model with `W + alpha / r * A @ B` in each adapted weight
   (`merged_weights`), fused (unrolled q/k/v, gate/up) or not, and the adapters change it."""
   cfg = _lora_cfg(scan, targets)
-  g1, p1 = init_model(cfg, 0)
+  g1, p1 = _init(cfg)
   p1 = _randomize(p1)
   h_lora, _ = _hidden(g1, p1)
   g0 = abstract_model(lora.base_config(cfg))[0]
   merged = lora.merge(cfg, p1)
   h_merged, _ = _hidden(g0, merged)
   np.testing.assert_allclose(h_lora, h_merged, atol=2e-5)
-  h_base, _ = _hidden(g1, lora.join(lora.split(p1)[1], lora.split(init_model(cfg, 0)[1])[0]))
+  h_base, _ = _hidden(g1, _init(cfg)[1])
   assert float(jnp.abs(h_lora - h_base).max()) > 0.1
   # Merging by hand for one weight: the arithmetic of `merged_weights`.
   if "q" in targets:
@@ -105,6 +119,7 @@ def test_adapters_add_alpha_over_rank_times_a_b_to_each_projection(scan, targets
     np.testing.assert_allclose(merged["wq"][...], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_decode_with_a_cache_matches_the_full_forward():
   cfg = _lora_cfg(scan=True)
   g, p = init_model(cfg, 0)
@@ -136,7 +151,7 @@ def _step(cfg, params, loss="rl", lr=1e-2):
 
 def test_the_step_trains_only_adapters_and_never_touches_the_base():
   cfg = _lora_cfg()
-  _, params = init_model(cfg, 0)
+  _, params = _init(cfg)
   step, init = _step(cfg, params)
   state = init(params)
   adapters, base = lora.split(params)
@@ -162,11 +177,11 @@ def test_the_step_trains_only_adapters_and_never_touches_the_base():
 def test_the_first_lora_step_has_the_full_models_loss_and_the_adapters_gradient():
   """At B = 0 the adapted model is the base: the same loss as the full-parameter step; and the
   adapters' gradient is the full model's gradient through `W + s A B`: dL/dB = s A^T dL/dW (per
-  layer, inputs flattened), checked for q."""
-  cfg = _lora_cfg(targets=("q",))
-  _, params = init_model(cfg, 0)
+  layer, inputs flattened), checked for q (every B is 0, so the others do not enter it)."""
+  cfg = _lora_cfg()
+  _, params = _init(cfg)
   base_cfg = lora.base_config(cfg)
-  _, base_params = init_model(base_cfg, 0)
+  _, base_params = _init(base_cfg)
   # Through the trainer's own log-prob path (`completion_logprobs`, the base and the adapters as
   # the step passes them): the summed NLL and its gradients, jitted.
   g_l, g_f = abstract_model(cfg)[0], abstract_model(base_cfg)[0]
@@ -184,6 +199,7 @@ def test_the_first_lora_step_has_the_full_models_loss_and_the_adapters_gradient(
   np.testing.assert_allclose(ga["lora_q"]["lora_b"][...], want_b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_is_a_function_of_the_update_count():
   """LoRA dropout changes the loss from step to step but two runs from the same state drop the
   same (a resumed run trains exactly like the uninterrupted one)."""
@@ -226,6 +242,7 @@ def test_bad_lora_keys_are_named(key, value, needle):
   assert needle in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_tiny_lora_run_reports_counts_and_checkpoints_the_frozen_base(tmp_path, capsys):
   """A run with LoRA at lag 1 on the continuous engine with partial rollouts: it prints the
   trained-parameter and optimizer-state counts, staleness is exact, and its checkpoints hold the

@@ -90,6 +90,7 @@ def test_cast_params_makes_fresh_same_sharded_copies(devices):
   assert float(out["w"][0, 1]) == 0.142578125
 
 
+@pytest.mark.slow  # three sampler compiles: with the slow tests
 def test_samplers_run_in_bfloat16_with_float32_logprobs():
   parts, params = _parts("bfloat16")
   assert parts.rollout_graphdef is not parts.graphdef
