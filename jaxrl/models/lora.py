@@ -83,20 +83,24 @@ def counts(params: nnx.State) -> tuple[int, int]:
   return size(adapters), size(base)
 
 
+def merged_weight(model_cfg: ModelConfig, target: str, w, a, b, dtype=None) -> jax.Array:
+  """Base weight `w` of `target` with its adapter folded in, `W + alpha / rank * A @ B` per
+  layer (in f32), stored in `dtype` (None: W's)."""
+  din, dout = lora_dims(model_cfg, target)
+  delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+  merged = w.reshape(w.shape[0], din, dout).astype(jnp.float32) + delta * (
+      model_cfg.lora_alpha / model_cfg.lora_rank)
+  return merged.reshape(w.shape).astype(_dtype(dtype) if dtype else w.dtype)
+
+
 def merged_weights(model_cfg: ModelConfig, base: nnx.State, adapters: nnx.State) -> nnx.State:
-  """The base model's params with every adapter folded in: `W + alpha / rank * A @ B` per layer
-  (in f32, stored in W's dtype). Pure; jit it where the result should live."""
-  scale = model_cfg.lora_alpha / model_cfg.lora_rank
+  """The base model's params with every adapter folded in (`merged_weight`). Pure; jit it where
+  the result should live."""
   out = jax.tree.map(lambda x: x, base)  # a new State; untouched leaves are shared
   for t in model_cfg.lora_targets:
-    name = WEIGHTS[t]
-    w = base[name][...]
-    a = adapters[f"lora_{t}"]["lora_a"][...].astype(jnp.float32)
-    b = adapters[f"lora_{t}"]["lora_b"][...].astype(jnp.float32)
-    din, dout = lora_dims(model_cfg, t)
-    delta = jnp.einsum("lir,lro->lio", a, b) * scale
-    out[name] = nnx.Param((w.reshape(w.shape[0], din, dout).astype(jnp.float32) + delta)
-                          .reshape(w.shape).astype(w.dtype))
+    ad = adapters[f"lora_{t}"]
+    out[WEIGHTS[t]] = nnx.Param(merged_weight(model_cfg, t, base[WEIGHTS[t]][...],
+                                              ad["lora_a"][...], ad["lora_b"][...]))
   return out
 
 
@@ -129,21 +133,11 @@ _JITS: dict = {}
 def _merge_jit(model_cfg: ModelConfig, dtype):
   key = ("merge", model_cfg, dtype)
   if key not in _JITS:
-    scale = model_cfg.lora_alpha / model_cfg.lora_rank
-
-    def run(weights, adapters):
-      out = {}
-      for t in model_cfg.lora_targets:
-        w = weights[WEIGHTS[t]]
-        a = adapters[f"lora_{t}"]["lora_a"][...].astype(jnp.float32)
-        b = adapters[f"lora_{t}"]["lora_b"][...].astype(jnp.float32)
-        din, dout = lora_dims(model_cfg, t)
-        delta = jnp.einsum("lir,lro->lio", a, b) * scale
-        merged = w.reshape(w.shape[0], din, dout).astype(jnp.float32) + delta
-        out[WEIGHTS[t]] = merged.reshape(w.shape).astype(_dtype(dtype) if dtype else w.dtype)
-      return out
-
-    _JITS[key] = jax.jit(run)
+    _JITS[key] = jax.jit(lambda weights, adapters: {
+        WEIGHTS[t]: merged_weight(model_cfg, t, weights[WEIGHTS[t]],
+                                  adapters[f"lora_{t}"]["lora_a"][...],
+                                  adapters[f"lora_{t}"]["lora_b"][...], dtype)
+        for t in model_cfg.lora_targets})
   return _JITS[key]
 
 
