@@ -216,14 +216,13 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
   else:
     return
   # A lag is fine: each process makes its own groups on its rollout thread over its local devices
-  # (or inline, `InlineWorker`, where the batch cannot be split by process). The continuous
-  # engine's host driver reads every slot's state, so it runs only in the first case, where every
-  # array it touches is the process's own; the config decides the cases `process_share` refuses
-  # for any device layout (a layout that splits a group over processes is refused there).
+  # (dynamic sampling included: a group never spans processes), or inline (`InlineWorker`) where
+  # the batch cannot be split by process. The continuous engine's host driver reads every slot's
+  # state, so it runs only in the first case, where every array it touches is the process's own;
+  # the config decides the cases `process_share` refuses for any device layout (a layout that
+  # splits a group over processes is refused there).
   inline = [why for key, why in (
-      ("dynamic_sampling.enabled", f"{p}dynamic_sampling.enabled is true (its decisions span the "
-       "whole batch)"),
-      ("mesh.rollout", f"{p}mesh.rollout > 0 (disaggregated)")) if good.get(key)]
+      ("mesh.rollout", f"{p}mesh.rollout > 0 (disaggregated)"),) if good.get(key)]
   if good.get("rollout.engine") == "continuous" and inline:
     problems.append(
         f"{p}rollout.engine: must be 'static' with {several} when {' and '.join(inline)}: the "

@@ -429,9 +429,12 @@ def test_distributed_settings_before_jax_starts():
   validate(cfg, 8)
   cfg.rollout.engine = "continuous"  # each process's rollout thread runs it on its own devices
   validate(cfg, 8)
-  cfg.dynamic_sampling.enabled = True  # ... but inline batches span every process's devices
+  cfg.dynamic_sampling.enabled = True  # each process filters its own groups
+  validate(cfg, 8)
+  cfg.mesh.rollout = 4  # ... but a disaggregated batch is made inline over every process
   assert "must be 'static' with config.distributed.num_processes > 1 when " \
-      "config.dynamic_sampling.enabled is true" in _one(cfg, "rollout.engine", 8)
+      "config.mesh.rollout > 0 (disaggregated)" in _one(cfg, "rollout.engine", 8)
+  cfg.mesh.rollout = 0
   assert distributed_settings(cfg) == ("10.0.0.2:8476", 2, 1, 300)  # the engine is validate's
   cfg.distributed.process_id = 2
   assert distributed_settings(cfg) is None

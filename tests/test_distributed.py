@@ -190,7 +190,9 @@ def test_checks_apply_to_the_detected_process_count():
   cfg = get_config()
   cfg.rollout.engine = "continuous"
   cfg.rollout.lag = 1  # a lag is fine with several processes (test_multiprocess_rollouts)
-  cfg.dynamic_sampling.enabled = True  # batches made inline: the engine is refused there
+  cfg.dynamic_sampling.enabled = True  # each process filters its own groups: allowed
+  validate(cfg, 8, num_processes=2)
+  cfg.mesh.rollout = 4  # disaggregated batches are made inline: the engine is refused there
   validate(cfg, 8)
   validate(cfg, 8, num_processes=1)
   [problem] = _problems(cfg, num_processes=2)
@@ -203,7 +205,7 @@ def test_checks_apply_to_the_detected_process_count():
   cfg.distributed.num_processes = 2
   cfg.distributed.coordinator_address = "10.0.0.1:8476"
   cfg.rollout.engine = "continuous"
-  cfg.dynamic_sampling.enabled = True
+  cfg.mesh.rollout = 4
   for n in (None, 1, 2):
     [problem] = _problems(cfg, num_processes=n)
     assert "must be 'static' with config.distributed.num_processes > 1" in problem
@@ -260,12 +262,12 @@ def test_malformed_launcher_variable_is_a_config_error(tmp_path):
 
 def test_detected_processes_get_the_multi_process_checks(tmp_path):
   """Nothing distributed in the config, two processes joined from the environment: the
-  continuous engine with dynamic sampling (batches made inline) is refused, before compiling, as
-  with explicit keys."""
+  continuous engine with a disaggregated rollout mesh (batches made inline) is refused, before
+  compiling, as with explicit keys."""
   port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train",
                              "--config.rollout.engine=continuous",
-                             "--config.dynamic_sampling.enabled=true",
+                             "--config.mesh.rollout=4",
                              f"--config.run_dir={tmp_path / 'run'}"],
                             env={**_torchrun_env(i, port), "JAX_LOG_COMPILES": "1"}, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -127,3 +127,48 @@ def test_two_processes_overlap_and_match_one_process(tmp_path, program):
       assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
       compared += 1
   assert compared > 50
+
+
+# Dynamic sampling on two processes: each process filters and regenerates its own groups on its
+# rollout thread. The grader rewards a completion whose text hashes to 0 mod 4 (deterministic, so
+# a random tiny model's groups sometimes have no spread and are dropped).
+RUN_DS = RUN.replace("parts, params = build_parts(cfg, mesh)\n", '''import zlib
+from jaxrl.envs.base import single_turn_result
+
+class Hashed:
+  name = "add"
+  def step(self, turns):
+    return single_turn_result([float(zlib.crc32(t.response.encode()) % 4 == 0) for t in turns])
+
+cfg.dynamic_sampling.enabled = True
+cfg.rollout.num_prompts = 16
+parts, params = build_parts(cfg, mesh, envs={"add": Hashed()})
+''')
+
+
+@pytest.mark.slow
+def test_two_processes_dynamic_sampling_overlaps_per_process(tmp_path):
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", RUN_DS, str(tmp_path)],
+      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = communicate(procs, 600)
+  rows = _rows(tmp_path)
+  # Not made inline: every batch on each process's rollout thread, params on its own devices.
+  for out in outs:
+    seen = _seen(out)
+    assert len(seen) == 5, out
+    assert all(thread == "rollout-worker" and local for thread, local in seen), seen
+  assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
+  assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
+  for r in rows:
+    assert r["reward/mixed_groups"] == 1.0, r  # every trained group has reward spread
+    assert 1 <= r["dynamic_sampling/num_gen_batches"] <= 10, r
+    assert r["dynamic_sampling/discarded_valid_samples"] == 0, r
+  # Some group was dropped and regenerated in its slot (P(no spread) = 0.75^8 = 0.10 per group,
+  # 64 groups); the mean reward over every generated row then differs from the trained rows'.
+  dropped = sum(r["dynamic_sampling/dropped_groups"] for r in rows)
+  assert dropped >= 1, rows
+  assert rows[-1]["pipeline/regenerated"] >= dropped > 0
+  assert any(r["reward"] != r["filtered_reward"] for r in rows)

@@ -20,7 +20,9 @@ Two ways to keep the batch at P groups:
   `dynamic_sampling.max_gen_batches` (exactly K attempts, never K + 1).
 - With lag > 0 the predicate is the rollout worker's `keep` hook: a dropped group is re-sampled
   into its own (batch, slot) by `jaxrl.pipeline.fill_batch`, so filtering never takes a new ring
-  slot and cannot deadlock the pipeline; the same K caps the generation attempts per slot.
+  slot and cannot deadlock the pipeline; the same K caps the generation attempts per slot. On
+  several processes every lag works this way: each process fills its own groups' slots from a
+  stream of its own (`jaxrl.pipeline.producer`), and the batch's metrics add up over them.
 
 Metrics (per training batch): `reward` is the mean over every generated row, dropped or not
 (the policy's real success rate), `filtered_reward` the mean over the rows trained on, and

@@ -97,22 +97,22 @@ def process_share(parts) -> ProcessShare | None:
   if share is None and jax.process_count() > 1 and parts.cfg.rollout.engine == "continuous":
     raise config_lib.ConfigError([
         f"{config_lib.PREFIX}rollout.engine: must be 'static' with {jax.process_count()} "
-        "processes when a batch cannot be split by process (dynamic sampling, a disaggregated "
-        "rollout mesh, or train-mesh row shards that do not give each process whole groups of "
-        "its own, e.g. a 'tensor' axis spanning processes): the batch is then generated inline "
-        "over every process's devices, and the continuous engine's host driver reads every "
-        "slot's state, which no process holds alone"])
+        "processes when a batch cannot be split by process (a disaggregated rollout mesh, or "
+        "train-mesh row shards that do not give each process whole groups of its own, e.g. a "
+        "'tensor' axis spanning processes): the batch is then generated inline over every "
+        "process's devices, and the continuous engine's host driver reads every slot's state, "
+        "which no process holds alone"])
   return share
 
 
 def split_by_process(parts) -> ProcessShare | None:
   """This process's share of every batch, or None where rollouts cannot be split by process:
-  one process; a disaggregated rollout mesh; dynamic sampling (its decisions and metrics span the
-  whole batch); or a train mesh whose row shards do not give each process one run of whole groups
-  of its own (e.g. rows replicated over a 'tensor' axis that spans processes). None means the
-  worker makes whole batches inline, on the trainer thread (`InlineWorker`)."""
-  if jax.process_count() == 1 or parts.rollout_mesh is not parts.mesh \
-      or parts.cfg.dynamic_sampling.enabled:
+  one process; a disaggregated rollout mesh; or a train mesh whose row shards do not give each
+  process one run of whole groups of its own (e.g. rows replicated over a 'tensor' axis that spans
+  processes). None means the worker makes whole batches inline, on the trainer thread
+  (`InlineWorker`). Dynamic sampling splits too: a group never spans processes, so each process
+  filters and regenerates its own groups (`RolloutProducer.produce`)."""
+  if jax.process_count() == 1 or parts.rollout_mesh is not parts.mesh:
     return None
   G = parts.cfg.rollout.group_size
   n = parts.cfg.rollout.num_prompts * G
@@ -304,8 +304,10 @@ class RolloutProducer:
     info: dict = {}
     sums: dict = {}
     counts = {"regenerated": 0, "filtered": 0}
-    if ds.enabled and r.lag == 0:
+    if ds.enabled and r.lag == 0 and share is None:
       # Synchronous: whole generation batches into a pending cache until P groups are ready.
+      # (Several processes fill their own groups slot by slot, as at lag > 0, below: a pending
+      # cache of whole generation batches would draw every process's prompts from one stream.)
       def generate(attempt):
         batch = tasks if attempt == 1 else source.sample(self.rng, P)
         k = key if attempt == 1 else jax.random.fold_in(key, attempt)
@@ -349,6 +351,16 @@ class RolloutProducer:
       meta = self._store(f"b{batch_id}", ep, place=True)
       if share is not None:
         meta, arrays = meta
+        if ds.enabled:
+          # This process's part of the batch's dynamic-sampling metrics; `globalize` adds up the
+          # processes' (means from sums, the attempts' maximum).
+          for name, rewards in (("reward", np.concatenate(seen)), ("filtered_reward",
+                                                                  ep.rewards)):
+            live = np.asarray(rewards, np.float64)[np.isfinite(rewards)]
+            sums[name] = [float(live.sum()), int(live.size)]
+          info.update({"dynamic_sampling/num_gen_batches": got["attempts"],
+                       "dynamic_sampling/dropped_groups": got["filtered"],
+                       "dynamic_sampling/discarded_valid_samples": 0})
         return RingItem(meta, version, st(), info,
                         local=LocalRows(arrays, sums, counts))
       if ds.enabled:  # regeneration never over-generates: nothing valid is discarded
@@ -366,7 +378,8 @@ class RolloutProducer:
 
     `env/calls` is the most any process made (each process calls each task's environment once per
     turn with its rows, as one process does with all of them; the calls of different processes
-    run in parallel); `env/failed/*` and the counters add up."""
+    run in parallel), and so is `dynamic_sampling/num_gen_batches` (the processes' generation
+    attempts run in parallel too); `env/failed/*`, dropped groups and the counters add up."""
     if item.local is None:
       return item
     mine = {"meta": item.meta.to_json(), "time": item.sample_time_s,
@@ -382,7 +395,7 @@ class RolloutProducer:
     for e in every:
       for k, v in e["info"].items():
         v = from_json_num(v)
-        info[k] = max(info.get(k, v), v) if k == "env/calls" else info.get(k, 0) + v
+        info[k] = max(info.get(k, v), v) if k in _MOST else info.get(k, 0) + v
       for k, (s, n) in e["sums"].items():
         got = sums.setdefault(k, [0.0, 0])
         got[0] += s
@@ -392,6 +405,10 @@ class RolloutProducer:
     info.update(_means(sums))
     self.parts.data.put(meta, item.local.arrays, rows="local")
     return RingItem(meta, item.submit_version, max(e["time"] for e in every), info, counts)
+
+
+# Per-batch counts that `globalize` takes the processes' maximum of (the rest add up).
+_MOST = ("env/calls", "dynamic_sampling/num_gen_batches")
 
 
 def _means(sums: dict) -> dict:
