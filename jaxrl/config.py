@@ -39,7 +39,8 @@ from jaxrl.recipe import RecipeError, load_recipe  # noqa: F401
 class MeshShape:
   """The resolved train mesh, and the rollout mesh's devices when disaggregated.
 
-  `rollout_devices == 0`: colocated, rollouts are generated on the train mesh. Otherwise the
+  `rollout_devices == 0`: colocated, rollouts are generated on the train mesh (on several
+  processes: on each process's own devices, `rollout_tensor` its 'tensor' axis). Otherwise the
   first `train_devices` devices hold the train mesh (its first `size` of them) and the next
   `rollout_devices` a rollout mesh of shape (rollout_devices / rollout_tensor, 1,
   rollout_tensor).
@@ -73,18 +74,29 @@ def _device_count(key: str, value: float, num_devices: int, problems: list[str])
   return n
 
 
-def _resolve_split(good: dict[str, Any], num_devices: int,
-                   problems: list[str]) -> tuple[int, int] | None:
-  """(train devices, rollout devices); rollout 0 = colocated. None when the split is bad."""
+def _resolve_split(good: dict[str, Any], num_devices: int, problems: list[str],
+                   num_processes: int = 1) -> tuple[int, int] | None:
+  """(train devices, rollout devices); rollout 0 = colocated. None when the split is bad.
+
+  Colocated on several processes, `mesh.rollout_tensor` is the 'tensor' axis of each process's
+  own rollout mesh (`jaxrl.parallel.distributed.local_mesh`): it must divide a process's
+  devices."""
   rollout, train, rt = good["mesh.rollout"], good["mesh.train"], good["mesh.rollout_tensor"]
   if rollout == 0:
     if train:
       problems.append(f"{PREFIX}mesh.train: only with {PREFIX}mesh.rollout > 0 (disaggregated "
                       f"rollout and train devices), got {train!r}")
       return None
-    if rt != 1:
-      problems.append(f"{PREFIX}mesh.rollout_tensor: only with {PREFIX}mesh.rollout > 0; "
-                      f"colocated rollouts use the train mesh, got {rt}")
+    if rt != 1 and num_processes == 1:
+      problems.append(f"{PREFIX}mesh.rollout_tensor: only with {PREFIX}mesh.rollout > 0 or "
+                      "several processes (each generating on its own devices); colocated on "
+                      f"one process rollouts use the train mesh, got {rt}")
+      return None
+    local = num_devices // num_processes
+    if rt != 1 and local % rt:
+      problems.append(f"{PREFIX}mesh.rollout_tensor: must divide each process's {local} "
+                      "devices (its own rollout mesh is (devices / rollout_tensor, 1, "
+                      f"rollout_tensor)), got {rt}")
       return None
     return num_devices, 0
   n_r = _device_count("mesh.rollout", rollout, num_devices, problems)
@@ -418,7 +430,8 @@ def validate(cfg: ConfigDict, num_devices: int,
 
   mesh = None
   if have(*(f"mesh.{a}" for a in MESH_AXES), "mesh.rollout", "mesh.train", "mesh.rollout_tensor"):
-    split = _resolve_split(good, num_devices, problems)
+    split = _resolve_split(good, num_devices, problems,
+                           num_processes or good.get("distributed.num_processes") or 1)
     if split is not None:
       n_t, n_r = split
       mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in MESH_AXES}, n_t, problems,
@@ -426,6 +439,8 @@ def validate(cfg: ConfigDict, num_devices: int,
       if mesh is not None and n_r:
         mesh = dataclasses.replace(mesh, train_devices=n_t, rollout_devices=n_r,
                                    rollout_tensor=good["mesh.rollout_tensor"])
+      elif mesh is not None:  # several processes: each one's own rollout mesh
+        mesh = dataclasses.replace(mesh, rollout_tensor=good["mesh.rollout_tensor"])
   batch_shards = f"{PREFIX}mesh.data * {PREFIX}mesh.fsdp"
 
   if have("rollout.num_prompts", "rollout.group_size", "train.num_microbatches",

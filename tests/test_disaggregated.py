@@ -54,7 +54,8 @@ def test_device_split_resolves(mesh, expected):
     ({"rollout": 2.5}, "config.mesh.rollout", "a whole number of devices, got 2.5"),
     ({"rollout": -1.0}, "config.mesh.rollout", "got -1.0"),
     ({"train": 4}, "config.mesh.train", "only with config.mesh.rollout > 0"),
-    ({"rollout_tensor": 2}, "config.mesh.rollout_tensor", "only with config.mesh.rollout > 0"),
+    ({"rollout_tensor": 2}, "config.mesh.rollout_tensor",
+     "only with config.mesh.rollout > 0 or several processes"),
     ({"rollout": 4, "rollout_tensor": 3}, "config.mesh.rollout_tensor",
      "must divide the 4 rollout devices, got 3"),
     ({"rollout": 4, "data": 8}, "config.mesh", "does not divide the 4 train devices"),
@@ -65,6 +66,17 @@ def test_bad_device_split_is_named(mesh, key, message):
     config_lib.validate(_cfg(**mesh), 8)
   line = next(p for p in e.value.problems if p.startswith(key))
   assert message in line, e.value.problems
+
+
+def test_rollout_tensor_on_several_processes_splits_each_process():
+  """Colocated on several processes, `mesh.rollout_tensor` is each process's own rollout mesh's
+  'tensor' axis: it must divide a process's devices (not the 8 of the run)."""
+  got = config_lib.validate(_cfg(rollout_tensor=2, data=-1), 8, num_processes=2)
+  assert got == MeshShape(8, 1, 1, rollout_tensor=2) and not got.disaggregated
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(_cfg(rollout_tensor=8, data=-1), 8, num_processes=2)
+  assert any(p.startswith("config.mesh.rollout_tensor: must divide each process's 4 devices")
+             for p in e.value.problems), e.value.problems
 
 
 def _parts(engine="static", **mesh):

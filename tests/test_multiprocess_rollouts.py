@@ -52,7 +52,8 @@ def recording(self, batch_id, params, version):
   mine = set(jax.local_devices())
   local = all(x.is_fully_addressable and x.sharding.device_set <= mine
               for x in jax.tree.leaves(params))
-  seen.append([threading.current_thread().name, local])
+  split = any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+  seen.append([threading.current_thread().name, local, split])
   return produce(self, batch_id, params, version)
 
 producer_lib.RolloutProducer.produce = recording
@@ -99,20 +100,26 @@ def one_and_two_processes(program: str, tmp_path, timeout: float = 600):
 # version's adapters (gathered to its own devices), merged there.
 RUN_LORA = RUN.replace("cfg.mesh.data = -1\n", "cfg.mesh.data = -1\ncfg.model.lora.rank = 4\n"
                        "cfg.model.lora.learning_rate = 3e-3\n")
+# Each process's rollout mesh tensor-parallel over its own devices: (2, 1, 2), params split over
+# its 'tensor' axis (the one-process run keeps its colocated 8-device mesh).
+RUN_TP = RUN.replace("mesh = config_lib.validate(", "if jax.process_count() > 1:\n"
+                     "  cfg.mesh.rollout_tensor = 2\nmesh = config_lib.validate(")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program", [RUN, RUN_LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("program", [RUN, RUN_LORA, RUN_TP], ids=["full", "lora", "tensor"])
 def test_two_processes_overlap_and_match_one_process(tmp_path, program):
   _, outs = one_and_two_processes(program, tmp_path)
   base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
 
-  # The worker thread made every batch, with params on its own process's devices; 4 steps at
-  # lag 1 start batches 0..4 (the ring holds one more than was pulled).
+  # The worker thread made every batch, with params on its own process's devices (split over
+  # them with a rollout 'tensor' axis, whole on each device otherwise); 4 steps at lag 1 start
+  # batches 0..4 (the ring holds one more than was pulled).
   for out in outs:
     seen = _seen(out)
     assert len(seen) == 5, out
-    assert all(thread == "rollout-worker" and local for thread, local in seen), seen
+    assert all(thread == "rollout-worker" and local and split == (program is RUN_TP)
+               for thread, local, split in seen), seen
 
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]
@@ -159,7 +166,7 @@ def test_two_processes_dynamic_sampling_overlaps_per_process(tmp_path):
   for out in outs:
     seen = _seen(out)
     assert len(seen) == 5, out
-    assert all(thread == "rollout-worker" and local for thread, local in seen), seen
+    assert all(thread == "rollout-worker" and local for thread, local, _ in seen), seen
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
   for r in rows:

@@ -262,3 +262,26 @@ def test_benchmark_quick():
   result = json.loads(run.stdout)
   assert result["met"] is True and result["outputs_equal"] is True
   assert result["host_copy_calls_reshard"] == 0 and result["host_copy_calls_gather"] > 0
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_publish_local_lays_params_out_on_the_process_rollout_mesh(tensor):
+  """`publish_local` (several processes' rollout copies; here one process, so the stacked mesh is
+  its own): the values of the train-mesh params, on this process's devices as a (4 / t, 1, t)
+  mesh, split over 'tensor' by the parameter rules, and never the train step's buffers."""
+  from jaxrl.parallel import distributed
+
+  train = make_mesh(1, 4, 1, jax.devices()[:4])
+  params = _params(train)
+  local = distributed.local_mesh(train, tensor)
+  assert dict(local.shape) == {"data": 4 // tensor, "fsdp": 1, "tensor": tensor}
+  out = distributed.publish_local(params, train, local)
+  want = param_shardings(params, local)
+  split = 0
+  for x, y, s in zip(jax.tree.leaves(params), jax.tree.leaves(out), jax.tree.leaves(want)):
+    assert y.sharding == s
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    assert {b.data.unsafe_buffer_pointer() for b in y.addressable_shards}.isdisjoint(
+        b.data.unsafe_buffer_pointer() for b in x.addressable_shards)
+    split += not y.sharding.is_fully_replicated
+  assert (split > 0) == (tensor > 1)

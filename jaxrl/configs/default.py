@@ -333,5 +333,7 @@ def get_config() -> ConfigDict:
   c.mesh.tensor = 1
   c.mesh.rollout = 0.0  # devices for rollout generation; 0 = colocated on the train mesh
   c.mesh.train = 0.0  # with mesh.rollout: devices for training; 0 = all the others
-  c.mesh.rollout_tensor = 1  # the rollout mesh is (rollout / rollout_tensor, 1, rollout_tensor)
+  # The rollout mesh is (rollout / rollout_tensor, 1, rollout_tensor); colocated on several
+  # processes, each process's own devices are split that way (params tensor-parallel there).
+  c.mesh.rollout_tensor = 1
   return c

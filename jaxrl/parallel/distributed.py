@@ -297,37 +297,61 @@ def fetch(tree):
 # params published to it as a local copy, and host metadata gathered from every process.
 
 
-def local_mesh(mesh: Mesh) -> Mesh:
+def _process_devices(mesh: Mesh, process: int, tensor: int) -> np.ndarray:
+  """Process `process`'s devices of `mesh`, in mesh order, shaped (n / tensor, 1, tensor)."""
+  devs = [d for d in mesh.devices.flat if d.process_index == process]
+  if len(devs) % tensor:
+    raise ValueError(f"mesh.rollout_tensor={tensor} must divide the {len(devs)} devices of "
+                     f"process {process}")
+  return np.asarray(devs, dtype=object).reshape(len(devs) // tensor, 1, tensor)
+
+
+def local_mesh(mesh: Mesh, tensor: int = 1) -> Mesh:
   """The rollout mesh of this process: its own devices of `mesh`, rows over 'data' (one shard per
-  device), params replicated ('fsdp' and 'tensor' of size 1). Programs on it never involve
-  another process."""
-  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-  return Mesh(np.asarray(mine, dtype=object).reshape(len(mine), 1, 1), mesh.axis_names)
+  device, or per `tensor` devices), params split over 'tensor' (`mesh.rollout_tensor`: a model too
+  big for one device generates tensor-parallel over the host's devices) and replicated over
+  'data' ('fsdp' of size 1). Programs on it never involve another process."""
+  return Mesh(_process_devices(mesh, jax.process_index(), tensor), mesh.axis_names)
 
 
-@functools.lru_cache(maxsize=16)
-def _replicate(mesh: Mesh):
+def every_local_mesh(mesh: Mesh, tensor: int = 1) -> Mesh:
+  """Every process's `local_mesh`, stacked along 'data' in process order: one global mesh whose
+  rows are the processes' rollout meshes, which `publish_local` copies params onto."""
+  return Mesh(np.concatenate([_process_devices(mesh, q, tensor)
+                              for q in range(jax.process_count())]), mesh.axis_names)
+
+
+@functools.lru_cache(maxsize=32)
+def _place(shardings):
   # jnp.copy, not an identity: jit forwards an unchanged input to its output, and the published
   # copy must never be a buffer the train step donates.
-  return jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
-                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+  return jax.jit(lambda leaves: [jnp.copy(x) for x in leaves], out_shardings=list(shardings))
 
 
 def publish_local(params, mesh: Mesh, local: Mesh):
-  """A copy of `params` (on the global `mesh`) replicated over the process-local mesh `local`.
+  """A copy of `params` (on the global `mesh`) on the process-local rollout mesh `local`
+  (`local_mesh`), laid out there by the parameter rules: replicated, or split over its 'tensor'
+  axis.
 
-  One global program (a jitted copy to a fully replicated sharding of `mesh`: an all-gather of
-  whatever 'fsdp'/'tensor' split), which every process must launch at the same point, then each
-  process wraps its own devices' buffers of that copy as arrays of `local` (no transfer)."""
-  full = _replicate(mesh)(params)
-  on = NamedSharding(local, PartitionSpec())
+  One global program, which every process must launch at the same point: a jitted copy onto
+  `every_local_mesh` (params replicated over its 'data' axis, so each process's rows of it hold
+  whole copies, tensor-split where `local` has a 'tensor' axis: each device receives only the
+  part it keeps). Each process then wraps its own devices' buffers of that copy as arrays of
+  `local` (no transfer)."""
+  from jaxrl.parallel.sharding import param_shardings
+
+  stacked = every_local_mesh(mesh, local.shape["tensor"])
+  leaves, treedef = jax.tree.flatten(params)
+  shardings = tuple(jax.tree.leaves(param_shardings(params, stacked)))
+  full = _place(shardings)(leaves)
   order = list(local.devices.flat)
 
   def leaf(x):
     by_device = {s.device: s.data for s in x.addressable_shards}
+    on = NamedSharding(local, x.sharding.spec)
     return jax.make_array_from_single_device_arrays(x.shape, on, [by_device[d] for d in order])
 
-  return jax.tree.map(leaf, full)
+  return jax.tree.unflatten(treedef, [leaf(x) for x in full])
 
 
 def any_process(flag: bool) -> bool:

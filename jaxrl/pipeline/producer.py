@@ -94,6 +94,12 @@ def process_share(parts) -> ProcessShare | None:
       the engine's host driver cannot run inline over every process's devices.
   """
   share = split_by_process(parts)
+  if share is None and jax.process_count() > 1 and parts.cfg.mesh.rollout_tensor > 1:
+    raise config_lib.ConfigError([
+        f"{config_lib.PREFIX}mesh.rollout_tensor: must be 1 when a batch cannot be split by "
+        "process (train-mesh row shards that do not give each process whole groups of its own, "
+        "e.g. a 'tensor' axis spanning processes): the batch is then generated inline on the "
+        "train mesh, not on each process's own rollout mesh"])
   if share is None and jax.process_count() > 1 and parts.cfg.rollout.engine == "continuous":
     raise config_lib.ConfigError([
         f"{config_lib.PREFIX}rollout.engine: must be 'static' with {jax.process_count()} "
@@ -138,7 +144,9 @@ def split_by_process(parts) -> ProcessShare | None:
   a, b = spans[me]
   return ProcessShare(me, a // G, (b - a) // G, len(boxes[me]),
                       tuple(spans[q][0] for q in range(jax.process_count())), parts.mesh,
-                      parallel.distributed.local_mesh(parts.mesh), rollout_dtype(parts.cfg))
+                      parallel.distributed.local_mesh(parts.mesh,
+                                                      parts.cfg.mesh.rollout_tensor),
+                      rollout_dtype(parts.cfg))
 
 
 @dataclasses.dataclass(frozen=True)
