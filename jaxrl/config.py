@@ -23,7 +23,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl import compile_cache, preflight, sinks
+from jaxrl import compile_cache, config_schema, preflight, sinks
 from jaxrl.config_schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
                                  check_schema, describe, flatten, parse_profile_steps, type_ok)
 from jaxrl.configs import default as default_config
@@ -51,6 +51,9 @@ class MeshShape:
   train_devices: int = 0
   rollout_devices: int = 0
   rollout_tensor: int = 1
+  # Disaggregated across processes (`mesh.rollout_processes`): the processes whose devices only
+  # generate (the rollout mesh, on their own devices); the train mesh is the other processes'.
+  rollout_processes: tuple[int, ...] = ()
 
   @property
   def size(self) -> int:
@@ -114,6 +117,46 @@ def _resolve_split(good: dict[str, Any], num_devices: int, problems: list[str],
                     f"{rt}")
     return None
   return n_t, n_r
+
+
+def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes: int,
+                           problems: list[str]) -> MeshShape | None:
+  """The meshes of `mesh.rollout_processes`: those processes' devices generate, the others'
+  train (the train mesh's axes resolved over them). None (problems named) when they cannot."""
+  key = f"{PREFIX}mesh.rollout_processes"
+  ids = config_schema.process_list(good["mesh.rollout_processes"])
+  bad = []
+  if num_processes == 1:
+    bad.append(f"{key}: names processes that only generate, but the run has one process; join "
+               "several (distributed.*) or set it to ''")
+  elif any(i >= num_processes for i in ids):
+    bad.append(f"{key}: process indices must be < the {num_processes} processes, got "
+               f"{good['mesh.rollout_processes']!r}")
+  elif len(ids) >= num_processes:
+    bad.append(f"{key}: at least one process must train, got all {num_processes}")
+  elif len(ids) > 1:
+    bad.append(f"{key}: one rollout process for now, got {len(ids)}")
+  for other in ("mesh.rollout", "mesh.train"):
+    if good[other]:
+      bad.append(f"{PREFIX}{other}: must be 0 with {key} (whole processes decide the split), "
+                 f"got {good[other]!r}")
+  if good.get("rollout.partial_rollouts"):
+    bad.append(f"{PREFIX}rollout.partial_rollouts: not with {key}: the rollout processes get a "
+               "params version only between batches")
+  per = num_devices // num_processes
+  if not bad and per % good["mesh.rollout_tensor"]:
+    bad.append(f"{PREFIX}mesh.rollout_tensor: must divide the rollout process's {per} devices, "
+               f"got {good['mesh.rollout_tensor']}")
+  problems.extend(bad)
+  if bad:
+    return None
+  n_r = len(ids) * per
+  mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in MESH_AXES}, num_devices - n_r, problems,
+                       " train")
+  if mesh is None:
+    return None
+  return dataclasses.replace(mesh, train_devices=num_devices - n_r, rollout_devices=n_r,
+                             rollout_tensor=good["mesh.rollout_tensor"], rollout_processes=ids)
 
 
 def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str],
@@ -429,9 +472,13 @@ def validate(cfg: ConfigDict, num_devices: int,
         f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
 
   mesh = None
-  if have(*(f"mesh.{a}" for a in MESH_AXES), "mesh.rollout", "mesh.train", "mesh.rollout_tensor"):
-    split = _resolve_split(good, num_devices, problems,
-                           num_processes or good.get("distributed.num_processes") or 1)
+  processes = num_processes or good.get("distributed.num_processes") or 1
+  if have(*(f"mesh.{a}" for a in MESH_AXES), "mesh.rollout", "mesh.train", "mesh.rollout_tensor",
+          "mesh.rollout_processes") and good["mesh.rollout_processes"].strip():
+    mesh = _resolve_process_split(good, num_devices, processes, problems)
+  elif have(*(f"mesh.{a}" for a in MESH_AXES), "mesh.rollout", "mesh.train",
+            "mesh.rollout_tensor"):
+    split = _resolve_split(good, num_devices, problems, processes)
     if split is not None:
       n_t, n_r = split
       mesh = _resolve_mesh({a: good[f"mesh.{a}"] for a in MESH_AXES}, n_t, problems,
@@ -512,7 +559,6 @@ def validate(cfg: ConfigDict, num_devices: int,
                       "\"\" (no cache)")
   preflight.check_logging(good, problems)
   preflight.check_resume(good, problems)
-  processes = num_processes or good.get("distributed.num_processes") or 1
   preflight.check_memory(good, problems, processes, device_memory,
                          preflight.host_memory_bytes())
 

@@ -87,6 +87,24 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
   return a, b
 
 
+def process_list(text: str) -> tuple[int, ...]:
+  """`mesh.rollout_processes` as process indices ('' -> ()); ValueError when malformed."""
+  if not text.strip():
+    return ()
+  ids = tuple(int(t) for t in text.split(","))
+  if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+    raise ValueError(text)
+  return ids
+
+
+def _process_list_ok(text: str) -> bool:
+  try:
+    process_list(text)
+  except ValueError:
+    return False
+  return True
+
+
 def _profile_steps_ok(text: str) -> bool:
   try:
     parse_profile_steps(text)
@@ -245,6 +263,8 @@ RULES: list[tuple[str, Rule]] = [
                      "0, a fraction in (0, 1) or a whole number of devices"))
       for k in ("rollout", "train")),
     ("mesh.rollout_tensor", _ge(1)),
+    ("mesh.rollout_processes", (_process_list_ok, "'' (none) or distinct process indices >= 0 "
+                                "separated by commas, e.g. '0'")),
     *DISTRIBUTED_RULES,
 ]
 

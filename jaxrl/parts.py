@@ -36,6 +36,7 @@ from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,
                                      rollout_model)
+from jaxrl.pipeline.remote import sides as remote_sides
 from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.train_step import shard_params
 from jaxrl.types import TrainBatch
@@ -239,21 +240,31 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
   vocab, vocab_key = _model_vocab(cfg, problems)
   if vocab and vocab < tok.vocab_size:
     problems.append(f"{vocab_key}: the tokenizer needs {tok.vocab_size}, got {vocab}")
-  if mesh_shape.disaggregated and jax.process_count() > 1:
+  if mesh_shape.disaggregated and jax.process_count() > 1 and not mesh_shape.rollout_processes:
     problems.append(
-        f"config.mesh.rollout: disaggregated rollout and train meshes run in one process for "
-        f"now, got {jax.process_count()} processes; set it to 0 (colocated)")
+        f"config.mesh.rollout: a rollout mesh of devices within processes runs in one process; "
+        f"with {jax.process_count()} processes name whole processes with "
+        "config.mesh.rollout_processes (e.g. '0'), or set it to 0 (colocated)")
   if problems:
     raise config_lib.ConfigError(problems)
 
   devices = jax.devices()
+  if mesh_shape.rollout_processes:
+    # Disaggregated across processes (`jaxrl.pipeline.remote`): the train side's meshes are the
+    # train processes' devices (evaluation generates there too); a rollout process's, its own
+    # devices, which it generates on as one process would.
+    train_devs, rollout_devs = remote_sides(mesh_shape)
+    mine = rollout_devs if jax.process_index() in mesh_shape.rollout_processes else train_devs
+    devices = mine
+    if mine is rollout_devs:
+      mesh_shape = config_lib.MeshShape(*mesh_shape.rollout_shape)
   mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
                             devices[:mesh_shape.train_devices or len(devices)])
   # Rollouts are generated on `rollout_mesh`: the train mesh itself when colocated, else the
   # `rollout_devices` after the train devices, params tensor-parallel and rows split over
   # 'data'. Params reach it through `for_rollout`, which reshards shard by shard.
   rollout_mesh = mesh
-  if mesh_shape.disaggregated:
+  if mesh_shape.disaggregated and not mesh_shape.rollout_processes:
     first = mesh_shape.train_devices
     rollout_mesh = parallel.make_mesh(*mesh_shape.rollout_shape,
                                       devices[first:first + mesh_shape.rollout_devices])

@@ -40,6 +40,7 @@ from jaxrl.models import lora as lora_lib
 from jaxrl.parts import Parts, build_parts
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.dynamic_sampling import finite_mean
+from jaxrl.pipeline import remote
 from jaxrl.pipeline.producer import RingItem, RolloutProducer, process_share, train_fields
 from jaxrl.pipeline.staleness import staleness_from_rows
 from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl, lora_model
@@ -132,7 +133,8 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
        on_batch: Callable[[int, TrainBatch], TrainBatch] | None = None,
        rl_step: tuple[Callable, Callable] | None = None,
        ahead: CompileAhead | None = None, run_dir: str | None = None,
-       started: float | None = None) -> tuple[object, dict]:
+       started: float | None = None,
+       sender: remote.Sender | None = None) -> tuple[object, dict]:
   """GRPO for `train.steps` steps from `params` (see the module docstring); returns the final
   params and the summary.
 
@@ -148,11 +150,15 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   compiling that step, is waited for before the first update. `run_dir`: where
   `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace). `started`: the
   `time.monotonic()` of the process's start, from which the time to the first RL step is
-  printed and kept in the summary (`perf/first_rl_step_s`).
+  printed and kept in the summary (`perf/first_rl_step_s`). `sender`: the train side of a run
+  disaggregated across processes (`jaxrl.pipeline.remote`): the batches come from the rollout
+  process, and each params version is published to it.
   """
   cfg = parts.cfg
   r, t, v, c = cfg.rollout, cfg.train, cfg.val, cfg.checkpoint
   stop = stop or (lambda: False)
+  if sender is not None:  # a signal may also reach the rollout process, which says so
+    asked, stop = stop, lambda: asked() or sender.channel.has("stop")
   step_fn, init_state = rl_step or build_rl_step(parts, params)
   state = init_state(params)
   fields = train_fields(cfg)
@@ -161,7 +167,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   # (`process_share`; the trainer thread publishes params to them and assembles each batch), or,
   # where a batch cannot be split by process, inline (same batches and staleness; no overlap).
   single = jax.process_count() == 1
-  share = process_share(parts)
+  share = process_share(parts) if sender is None else None
   evaluator = Evaluator(parts, asynchronous=v.asynchronous and single, max_wait_s=v.max_wait_s)
   # Published params are copies: the train step donates its own buffers, and the worker (or an
   # evaluation pass) may still be reading an older version. Disaggregated, the copy is the
@@ -177,12 +183,19 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
                                    rollout_dtype(cfg))
     merged = lambda p: lora_lib.merge(lora, p)
   handoff = ParamsHandoff()  # partial rollouts read its newest version while decoding
-  producer = RolloutProducer(parts, parts.train_loop(
-      handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
+  if sender is None:
+    producer = RolloutProducer(parts, parts.train_loop(
+        handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
+  else:  # the rollout process makes the batches; each version goes there as it is published
+    producer = remote.Receiver(parts, sender.channel)
+    prepare = lambda p: sender(loop.step, merged(p))
   pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s,
-                     inline=not single and share is None, prepare=prepare, handoff=handoff)
+                     inline=not single and share is None and sender is None, prepare=prepare,
+                     handoff=handoff)
+  if sender is not None:
+    producer.should_stop = pipe.worker.should_stop
   # What evaluation (inline on several processes, so done before the next step) generates with.
-  for_eval = (lambda published: published) if share is None else \
+  for_eval = (lambda published: published) if share is None and sender is None else \
       (lambda _: merged(model_params(state)))
   loop = LoopState(warmup=dict(warm or {}), config=run_dir_lib.checkpoint_config(cfg))
   timer = metrics_lib.Timer()
@@ -191,6 +204,9 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     reader, start, host = resume
     state, loop = LoopState.restore(reader, start, host, state, pipe)
     progress.say(f"resumed from step {start} ({reader.directory})")
+  if sender is not None:  # what the rollout process makes, from where
+    sender.start(pipe.gate.checkpoint_state()["submitted"], remote.horizon(t.steps, r.lag),
+                 r.lag, producer.remote_state)
 
   def log_evaluations(results):
     for vstep, m in results:
@@ -231,8 +247,10 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         if ahead is not None:
           ahead.wait()
           ahead = None
+        train_from = time.time()
         state, m = step_fn(state, batch)
         m = parallel.distributed.fetch(m)
+        train_span = {"perf/train_from": train_from, "perf/train_to": time.time()}
         perf.lap("train")
         if first_step_s is None and started is not None:
           first_step_s = time.monotonic() - started
@@ -256,7 +274,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
         evaluations = evaluator.poll()
         perf.lap("val")
         row = step_metrics(parts, step, batch_id, item, r.lag, m, loop, pipe.stats(), evaluator,
-                           perf.metrics(item), timer())
+                           {**perf.metrics(item), **train_span}, timer())
         out.write(row)
         log_evaluations(evaluations)
         acc = loop.val_accuracy[max(loop.val_accuracy)] if loop.val_accuracy else None
@@ -286,6 +304,8 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     if stopped_at is None:
       log_evaluations(evaluator.wait())
   finally:
+    if sender is not None:
+      sender.done()
     perf.close()
     evaluator.close()
     parts.data.clear("train")  # batches still in the ring when the run ends or fails
@@ -315,6 +335,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
   checkpoint and return early with `rl/stopped_at` set.
   """
   total = metrics_lib.Timer()
+  across = bool(mesh_shape.rollout_processes)  # disaggregated across processes
+  rollout_side = across and jax.process_index() in mesh_shape.rollout_processes
+  if across:  # the trainers' collectives and files are theirs alone (`jaxrl.pipeline.remote`)
+    parallel.distributed.set_group(remote.train_processes(mesh_shape))
   main = parallel.distributed.is_main()
   parts, params = build_parts(cfg, mesh_shape)
   quiet = None if main else open(os.devnull, "w")
@@ -325,6 +349,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     start = run_dir_lib.decide(cfg, run_dir, progress.say, write=main)
     if jax.process_count() > 1:  # process 0 has moved a previous run aside
       multihost_utils.sync_global_devices("jaxrl-run-dir")
+    if rollout_side:
+      return remote.serve(parts, params, mesh_shape, progress, stop)
     if main:
       with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config_lib.to_dict(cfg), f, indent=2)
@@ -333,8 +359,9 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
         # does not depend on the starting directory still being there.
         export.copy_metadata(cfg.model.hf_path, os.path.join(run_dir, export.METADATA_DIR))
     own_dir = checkpoint.checkpoint_dir(run_dir)
-    ckpt = checkpoint.Checkpointer(own_dir, keep=cfg.checkpoint.keep,
-                                   async_save=cfg.checkpoint.async_save)
+    if not across:
+      ckpt = checkpoint.Checkpointer(own_dir, keep=cfg.checkpoint.keep,
+                                     async_save=cfg.checkpoint.async_save)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
@@ -346,11 +373,22 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     note = parts.source.note()  # rows the checks up front skip (data.max_skipped_frac)
     if note:
       progress.say(note)
-    if mesh_shape.disaggregated:
+    if mesh_shape.disaggregated and not across:
       first = mesh_shape.train_devices
       progress.say(f"disaggregated: train on devices 0-{mesh_shape.size - 1}, rollouts on "
                    f"devices {first}-{first + mesh_shape.rollout_devices - 1} (mesh "
                    f"{'x'.join(map(str, mesh_shape.rollout_shape))})")
+    sender = None
+    if across:
+      sender = remote.Sender(remote.make_bridge(parts, mesh_shape, params),
+                             remote.bridge_lib.Channel(), main)
+      progress.say(f"disaggregated across processes: processes "
+                   f"{list(mesh_shape.rollout_processes)} generate on their "
+                   f"{mesh_shape.rollout_devices} devices (mesh "
+                   f"{'x'.join(map(str, mesh_shape.rollout_shape))}), processes "
+                   f"{list(remote.train_processes(mesh_shape))} train on "
+                   f"{mesh_shape.train_devices}; {sender.bridge.wire_bytes:,} bytes per params "
+                   "version")
     rl_step = build_rl_step(parts, params)
     # One process: compile the RL step while the warm-up runs (several processes compile in
     # lockstep on the main thread, as they launch everything else).
@@ -373,7 +411,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       try:
         params, rl_summary = rl(parts, params, out, progress, ckpt=ckpt, resume=resume,
                                 warm=warm, stop=stop, rl_step=rl_step, ahead=ahead,
-                                run_dir=run_dir if main else None, started=started)
+                                run_dir=run_dir if main else None, started=started,
+                                sender=sender)
         break
       except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
         progress.say(f"{e}; trying the one before it")

@@ -336,4 +336,7 @@ def get_config() -> ConfigDict:
   # The rollout mesh is (rollout / rollout_tensor, 1, rollout_tensor); colocated on several
   # processes, each process's own devices are split that way (params tensor-parallel there).
   c.mesh.rollout_tensor = 1
+  # Disaggregated across processes (hosts): these processes only generate, on their own devices
+  # (tensor-parallel by rollout_tensor), and the others only train; e.g. "0". "" = none.
+  c.mesh.rollout_processes = ""
   return c

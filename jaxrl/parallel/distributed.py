@@ -268,25 +268,76 @@ def join(coordinator_address: str, num_processes: int, process_id: int, timeout_
   return f"{found.source}{where}"
 
 
+# The processes that run the training loop together (None: all of them) and the one of them that
+# writes files and prints. Disaggregated across processes (`mesh.rollout_processes`) the rollout
+# processes run a loop of their own (`jaxrl.pipeline.remote`): the trainers' collectives must not
+# wait for them, and the first trainer writes.
+_GROUP: tuple[int, ...] | None = None
+_WRITER = 0
+
+
+def set_group(processes: tuple[int, ...] | None) -> None:
+  """Makes `processes` (None: all) the ones `any_process`, `allgather_json` and `is_main` speak
+  for; the first of them writes. Called once, before the run starts, on every process."""
+  global _GROUP, _WRITER
+  _GROUP = None if processes is None else tuple(sorted(processes))
+  _WRITER = 0 if _GROUP is None else _GROUP[0]
+
+
+def group() -> tuple[int, ...]:
+  """The processes of this run's training loop (`set_group`), in order."""
+  return tuple(range(jax.process_count())) if _GROUP is None else _GROUP
+
+
 def is_main() -> bool:
-  """True on the process that writes files and prints (process 0)."""
-  return jax.process_index() == 0
+  """True on the process that writes files and prints (process 0, or the first trainer when
+  the rollouts run on processes of their own)."""
+  return jax.process_index() == _WRITER
 
 
 def fetch(tree):
-  """Host (numpy) copies of a pytree of arrays, whole, on every process.
+  """Host (numpy) copies of a pytree of arrays, whole, on every process that holds a part.
 
   Arrays this process can read entirely (fully addressable, or replicated on every device) are
-  copied directly; anything else is all-gathered across processes, so every process must call
-  this with the same arrays at the same point of the program.
+  copied directly; anything else is gathered over its own devices' processes (one program on
+  the array's mesh), so every such process must call this with the same arrays at the same point
+  of the program.
   """
 
   def leaf(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
       return np.asarray(x)
+    sh = x.sharding
+    if isinstance(sh, NamedSharding):
+      whole = _replicate(sh.mesh)(x)
+      return np.asarray(whole.addressable_shards[0].data)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(leaf, tree)
+
+
+@functools.lru_cache(maxsize=16)
+def _replicate(mesh: Mesh):
+  return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _group_allgather(row: np.ndarray) -> np.ndarray:
+  """Every group process's `row` (same shape and dtype everywhere), stacked in process order: one
+  program over one device of each group process."""
+  procs = group()
+  if procs == tuple(range(jax.process_count())):
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(len(procs), *row.shape)
+  if len(procs) == 1:
+    return row[None]
+  firsts = []
+  for q in procs:
+    firsts.append(min((d for d in jax.devices() if d.process_index == q), key=lambda d: d.id))
+  mesh = Mesh(np.asarray(firsts, dtype=object), ("p",))
+  mine = firsts[procs.index(jax.process_index())]
+  x = jax.make_array_from_single_device_arrays(
+      (len(procs), *row.shape), NamedSharding(mesh, PartitionSpec("p")),
+      [jax.device_put(row[None], mine)])
+  return np.asarray(_replicate(mesh)(x).addressable_shards[0].data)
 
 
 # --- colocated rollouts on several processes ----------------------------------------------------
@@ -359,19 +410,17 @@ def any_process(flag: bool) -> bool:
   process must call it at the same point of the program), the flag itself for one. How a signal
   that reached one process (a preempted host) becomes every process's decision at the same
   step."""
-  if jax.process_count() == 1:
+  if len(group()) == 1:
     return bool(flag)
-  return bool(np.asarray(multihost_utils.process_allgather(np.asarray([int(bool(flag))],
-                                                                      np.int32))).any())
+  return bool(_group_allgather(np.asarray([int(bool(flag))], np.int32)).any())
 
 
 def allgather_json(value) -> list:
   """Every process's `value` (JSON-able; floats round-trip exactly, NaN included), in process
   order. Two small collectives: every process must call it at the same point of the program."""
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
-  sizes = sizes.reshape(-1)
+  sizes = _group_allgather(np.asarray([data.size], np.int64)).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)
   padded[:data.size] = data
-  got = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  got = _group_allgather(padded).reshape(len(sizes), -1)
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(got, sizes.tolist())]

@@ -1,0 +1,270 @@
+"""Disaggregated across processes: what crosses between the train processes and the rollout
+process (`mesh.rollout_processes`).
+
+The two sides run different loops (`jaxrl.pipeline.remote`) and launch different programs, each
+on its own devices, except one: publishing a params version, `ParamsBridge`, the only program
+that spans both sides, which both launch once per version in version order (the train side
+right after the step that made it, the rollout side's receiver thread as soon as the train side
+says it is launched). It moves the params shard by shard over a mesh of both sides' devices:
+
+1. train side (its own program): every leaf cast to the wire dtype, flattened and concatenated
+   into one buffer per dtype, cut into T x R blocks (T train devices, R rollout devices), train
+   device j holding row j (R blocks: the ones each rollout device gets from it);
+2. both sides: a `shard_map` over the union mesh (train devices, then rollout devices) whose
+   `ppermute` rounds send block (j, i) from train device j to rollout device i (max(T, R) rounds,
+   each a matching: no device sends or receives twice in a round);
+3. rollout side (its own program): rollout device i now holds column i; one local program puts
+   the columns back in order and lays the leaves out on the rollout mesh by the parameter rules,
+   in the samplers' dtype.
+
+No device or host ever holds the params whole on the way (each rollout device receives 1/R of
+them, then the rollout mesh's own layout decides what each keeps), and nothing goes through a
+host. Rollout rows, metrics-sized host data, go the other way through the coordination service's
+key-value store (`Channel`): small, and host data anyway (the data plane's metadata and the
+rewards are computed on the host), so no device program has to be ordered against the publish.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+try:
+  from jax import shard_map as _shard_map
+
+  def shard_map(f, mesh, in_specs, out_specs):
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+except ImportError:  # older JAX
+  from jax.experimental.shard_map import shard_map as _old_shard_map
+
+  def shard_map(f, mesh, in_specs, out_specs):
+    return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+PREFIX = "jaxrl/disaggregated/"
+
+
+class ChannelClosed(RuntimeError):
+  """A wait on the other side ended because this side is stopping."""
+
+
+class Channel:
+  """Keyed messages between the two sides over JAX's coordination service (process 0 runs it;
+  every process of a run reaches it). Values of any size are cut into chunks the service takes.
+  Waits poll every `poll_s`, so `should_stop()` ends them promptly."""
+
+  CHUNK = 1 << 20
+
+  def __init__(self, client=None, poll_s: float = 0.2):
+    if client is None:
+      from jaxrl.parallel import peers
+      client = peers.coordination_client()
+    self.client = client
+    self.poll_ms = max(1, int(poll_s * 1000))
+
+  def set(self, key: str, value: str) -> None:
+    self.client.key_value_set(PREFIX + key, value, allow_overwrite=True)
+
+  def has(self, key: str) -> bool:
+    try:
+      self.client.key_value_try_get(PREFIX + key)
+    except Exception:  # noqa: BLE001  (NOT_FOUND)
+      return False
+    return True
+
+  def wait(self, key: str, should_stop: Callable[[], bool] = lambda: False) -> str:
+    """The value of `key` once it is set; ChannelClosed if `should_stop()` first."""
+    while True:
+      if should_stop():
+        raise ChannelClosed(key)
+      try:
+        return self.client.blocking_key_value_get(PREFIX + key, self.poll_ms)
+      except Exception as e:  # noqa: BLE001
+        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e):
+          raise
+
+  def put_bytes(self, key: str, data: bytes) -> None:
+    """`data` under `key` (chunks first, then the count that makes it visible)."""
+    n = max(1, -(-len(data) // self.CHUNK))
+    for i in range(n):
+      self.client.key_value_set_bytes(f"{PREFIX}{key}/{i}", data[i * self.CHUNK:(i + 1) *
+                                                                 self.CHUNK])
+    self.set(f"{key}/n", str(n))
+
+  def take_bytes(self, key: str, should_stop: Callable[[], bool] = lambda: False) -> bytes:
+    """The bytes `put_bytes` stored under `key`, waiting for them; the keys are deleted."""
+    n = int(self.wait(f"{key}/n", should_stop))
+    parts = [self.client.blocking_key_value_get_bytes(f"{PREFIX}{key}/{i}", self.poll_ms)
+             for i in range(n)]
+    for i in range(n):
+      self.client.key_value_delete(f"{PREFIX}{key}/{i}")
+    self.client.key_value_delete(f"{PREFIX}{key}/n")
+    return b"".join(parts)
+
+
+def pack(arrays: dict, header: dict) -> bytes:
+  """Host arrays and a JSON header as one byte string (`unpack` reverses it)."""
+  head = json.dumps(header).encode()
+  buf = io.BytesIO()
+  np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+  return len(head).to_bytes(8, "little") + head + buf.getvalue()
+
+
+def unpack(data: bytes) -> tuple[dict, dict]:
+  n = int.from_bytes(data[:8], "little")
+  header = json.loads(data[8:8 + n].decode())
+  with np.load(io.BytesIO(data[8 + n:]), allow_pickle=False) as z:
+    arrays = {k: z[k] for k in z.files}
+  return arrays, header
+
+
+def _rounds(T: int, R: int):
+  """The ppermute rounds of the T x R block exchange: round c pairs train j with rollout
+  (c - j) mod max(T, R), when that is < R (a matching, every pair in exactly one round)."""
+  m = max(T, R)
+  return [[(j, T + (c - j) % m) for j in range(T) if (c - j) % m < R] for c in range(m)]
+
+
+class ParamsBridge:
+  """Publishes params versions from the train devices to the rollout devices (module docstring).
+
+  `template`: the params tree (arrays or ShapeDtypeStructs; shapes and dtypes, the same on both
+  sides), `wire`: the dtype they travel in (the narrower of the trainer's and the samplers'),
+  `out`: the samplers' dtype (None: as they travel). The train side calls `send(params)`, the
+  rollout side `receive(shardings)`, once per version each, in the same order.
+  """
+
+  def __init__(self, train_devices, rollout_devices, template, wire, out=None):
+    self.train = list(train_devices)
+    self.rollout = list(rollout_devices)
+    self.T, self.R = len(self.train), len(self.rollout)
+    leaves, self.treedef = jax.tree.flatten(template)
+    self.shapes = [tuple(x.shape) for x in leaves]
+    self.sizes = [int(np.prod(s)) for s in self.shapes]
+    self.wire = jnp.dtype(wire)
+    self.out = None if out is None else jnp.dtype(out)
+    total = sum(self.sizes)
+    blocks = self.T * self.R
+    self.block = max(1, -(-total // blocks))
+    self.total = total
+    self.union = Mesh(np.asarray(self.train + self.rollout, dtype=object), ("u",))
+    self.train_line = Mesh(np.asarray(self.train, dtype=object), ("u",))
+    self.rollout_line = Mesh(np.asarray(self.rollout, dtype=object), ("u",))
+    self._placeholder = None
+
+  @property
+  def wire_bytes(self) -> int:
+    """Bytes each version moves between the sides (the padded buffer)."""
+    return self.T * self.R * self.block * self.wire.itemsize
+
+  # -- the program both sides launch --------------------------------------------------------------
+
+  @functools.cached_property
+  def _exchange(self):
+    T, R, b = self.T, self.R, self.block
+    rounds = _rounds(T, R)
+    m = max(T, R)
+
+    def body(x):  # x: [1, R, b], this device's row (train) or a placeholder (rollout)
+      i = jax.lax.axis_index("u")
+      out = jnp.zeros((1, T, b), x.dtype)
+      for c, pairs in enumerate(rounds):
+        if not pairs:
+          continue
+        send = jax.lax.dynamic_index_in_dim(x[0], jnp.clip((c - i) % m, 0, R - 1), 0,
+                                            keepdims=False)
+        got = jax.lax.ppermute(send, "u", pairs)
+        slot = jnp.clip((c - (i - T)) % m, 0, T - 1)
+        placed = jax.lax.dynamic_update_index_in_dim(out[0], got, slot, 0)[None]
+        receives = (i >= T) & ((c - (i - T)) % m < T)
+        out = jnp.where(receives, placed, out)
+      return out
+
+    return jax.jit(shard_map(body, self.union, PartitionSpec("u"), PartitionSpec("u")))
+
+  def _run(self, shards: list) -> jax.Array:
+    """The exchange on the union-mesh array made of this process's `shards` (in union order)."""
+    x = jax.make_array_from_single_device_arrays(
+        (self.T + self.R, self.R, self.block), NamedSharding(self.union, PartitionSpec("u")),
+        shards)
+    return self._exchange(x)
+
+  def _mine(self, devices) -> list:
+    me = jax.process_index()
+    return [d for d in devices if d.process_index == me]
+
+  # -- train side ----------------------------------------------------------------------------------
+
+  @functools.cached_property
+  def _pack(self):
+    T, R, b, n = self.T, self.R, self.block, self.total
+    wire = self.wire
+
+    def pack_leaves(leaves):
+      flat = jnp.concatenate([x.astype(wire).reshape(-1) for x in leaves])
+      return jnp.pad(flat, (0, T * R * b - n)).reshape(T, R, b)
+
+    return jax.jit(pack_leaves,
+                   out_shardings=NamedSharding(self.train_line, PartitionSpec("u")))
+
+  def send(self, params) -> None:
+    """The train side's part of publishing `params` (launched, not waited for)."""
+    rows = self._pack(jax.tree.leaves(params))
+    by_device = {s.device: s.data for s in rows.addressable_shards}
+    self._run([by_device[d] for d in self._mine(self.train)])
+
+  # -- rollout side --------------------------------------------------------------------------------
+
+  def _post(self, shardings):
+    T, R, b, n = self.T, self.R, self.block, self.total
+    sizes, shapes, out = self.sizes, self.shapes, self.out
+    treedef = self.treedef
+
+    def unpack_columns(cols):  # cols: [R, T, b], column i on rollout device i
+      flat = cols.transpose(1, 0, 2).reshape(-1)[:n]
+      leaves, at = [], 0
+      for size, shape in zip(sizes, shapes):
+        x = flat[at:at + size].reshape(shape)
+        leaves.append(x if out is None else x.astype(out))
+        at += size
+      return jax.tree.unflatten(treedef, leaves)
+
+    return jax.jit(unpack_columns, out_shardings=shardings)
+
+  def receive(self, shardings):
+    """The rollout side's part of publishing a version: the params, laid out by `shardings` (a
+    tree like the template's, on the rollout mesh)."""
+    mine = self._mine(self.rollout)
+    if self._placeholder is None:  # what this side feeds the exchange: never read, kept
+      self._placeholder = [jax.device_put(np.zeros((1, self.R, self.block), self.wire), d)
+                           for d in mine]
+    got = self._run(list(self._placeholder))
+    by_device = {s.device: s.data for s in got.addressable_shards}
+    cols = jax.make_array_from_single_device_arrays(
+        (self.R, self.T, self.block), NamedSharding(self.rollout_line, PartitionSpec("u")),
+        [by_device[d] for d in mine])
+    key = tuple(jax.tree.leaves(shardings))
+    post = self._posts.get(key)
+    if post is None:
+      post = self._posts[key] = self._post(shardings)
+    return post(cols)
+
+  @functools.cached_property
+  def _posts(self) -> dict:
+    return {}
+
+
+def wait_until(predicate: Callable[[], bool], should_stop: Callable[[], bool],
+               poll_s: float = 0.05) -> None:
+  """Polls `predicate` until true; ChannelClosed if `should_stop()` first."""
+  while not predicate():
+    if should_stop():
+      raise ChannelClosed("stopped")
+    time.sleep(poll_s)

@@ -1,0 +1,234 @@
+"""Disaggregated across processes (`mesh.rollout_processes`): a rollout process that only
+generates, train processes that only train.
+
+The rollout process runs `serve`, not the training loop: a receiver thread joins every params
+version the train side publishes (`jaxrl.parallel.bridge.ParamsBridge`, the one program both
+sides launch, in version order), and its main thread makes batches 0, 1, 2, ... with the forced-lag
+version of each, `params_version(b, L)`, on its own devices, exactly as the one-process
+`RolloutProducer` does (the same prompt stream, request ids, group ids, dynamic sampling), then
+sends each batch's rows to the train side. It never waits for a train step it does not need: it
+starts batch b as soon as version b - L is published.
+
+The train side runs the usual training loop with a `Receiver` in place of the producer: its
+rollout worker thread reserves a ring slot for batch b, waits for the rows, and the trainer
+thread puts them in the data plane when it pulls the batch (`globalize`). Everything else (the
+lag ring, staleness, metrics, evaluation on the train mesh, checkpoints) is the one-process
+loop's.
+
+Messages (`jaxrl.parallel.bridge.Channel`, the coordination service): `start` (train -> rollout:
+the first batch to make, the last one, the producer state to resume from), `publish/<v>` (the
+train side launched version v's publish), `rows/<b>/<q>` (batch b for train process q), `stop`
+(a signal reached the rollout process: the train side checkpoints and stops), `done` (the train
+side finished: the rollout process returns).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+
+from jaxrl import metrics as metrics_lib
+from jaxrl.loop_state import from_json_num, json_num
+from jaxrl.parallel import bridge as bridge_lib
+from jaxrl.pipeline.data_plane import BatchMeta
+from jaxrl.pipeline.handoff import ParamsHandoff
+from jaxrl.pipeline.producer import LocalRows, RingItem, RolloutProducer
+from jaxrl.pipeline.worker import params_version
+from jaxrl.rollout.precision import rollout_dtype
+
+
+def sides(mesh_shape) -> tuple[list, list]:
+  """(train devices, rollout devices) of a run disaggregated across processes."""
+  procs = set(mesh_shape.rollout_processes)
+  devices = jax.devices()
+  return ([d for d in devices if d.process_index not in procs],
+          [d for d in devices if d.process_index in procs])
+
+
+def train_processes(mesh_shape) -> tuple[int, ...]:
+  procs = set(mesh_shape.rollout_processes)
+  return tuple(q for q in range(jax.process_count()) if q not in procs)
+
+
+def wire_dtype(cfg, template):
+  """The dtype params travel in: the samplers' (`rollout.dtype`) where it is narrower than the
+  trainer's, else the trainer's (a wider one is cast on arrival)."""
+  trainer = jax.tree.leaves(template)[0].dtype
+  d = rollout_dtype(cfg)
+  if d is not None and np.dtype(d).itemsize < np.dtype(trainer).itemsize:
+    return np.dtype(d)
+  return np.dtype(trainer)
+
+
+def make_bridge(parts, mesh_shape, template) -> bridge_lib.ParamsBridge:
+  """The params bridge of a run (the same on both sides: `template` has the params' shapes)."""
+  train, rollout = sides(mesh_shape)
+  return bridge_lib.ParamsBridge(train, rollout, template, wire_dtype(parts.cfg, template),
+                                 rollout_dtype(parts.cfg))
+
+
+def horizon(steps: int, lag: int) -> int:
+  """The last batch a run of `steps` steps makes: the ring holds up to L batches past the last
+  one trained on, as one process's worker makes them."""
+  return steps - 1 + lag
+
+
+class Receiver:
+  """The train side's producer (see the module docstring): `produce` waits for batch b's rows,
+  `globalize` puts them in the data plane; `encode`/`target`/`decode` are the one-process
+  producer's (checkpoints hold the same ring), and `state_dict` is the rollout process's producer
+  state after the newest batch received (what it resumes from)."""
+
+  def __init__(self, parts, channel: bridge_lib.Channel):
+    self.parts, self.channel = parts, channel
+    self.codec = RolloutProducer(parts, None)
+    self.remote_state: dict | None = None
+    self.should_stop = lambda: False
+
+  def produce(self, batch_id: int, params, version: int) -> RingItem:
+    del params
+    data = self.channel.take_bytes(f"rows/{batch_id}/{jax.process_index()}", self.should_stop)
+    arrays, head = bridge_lib.unpack(data)
+    if head["submit_version"] != version:
+      raise RuntimeError(f"batch {batch_id} was generated with params version "
+                         f"{head['submit_version']}, expected {version}")
+    self.remote_state = head["producer"]
+    info = {k: from_json_num(v) for k, v in head["info"].items()}
+    info["pipeline/generated_from"] = head["started_at"]
+    info["pipeline/generated_to"] = head["finished_at"]
+    return RingItem(BatchMeta.from_json(head["meta"]), version, head["sample_time_s"], info,
+                    head["counts"], local=LocalRows(arrays, {}, {}))
+
+  def globalize(self, item: RingItem) -> RingItem:
+    if item.local is None:
+      return item
+    meta = self.parts.data.put(item.meta, item.local.arrays)
+    return RingItem(meta, item.submit_version, item.sample_time_s, item.info)
+
+  def state_dict(self) -> dict:
+    if self.remote_state is None:
+      return self.codec.state_dict()
+    return dict(self.remote_state)
+
+  def load_state_dict(self, host: dict) -> None:
+    self.remote_state = {"rng": host["rng"], "next_group": host["next_group"]}
+
+  def encode(self, item):
+    return self.codec.encode(item)
+
+  def target(self, host):
+    return self.codec.target(host)
+
+  def decode(self, arrays, host):
+    return self.codec.decode(arrays, host)
+
+
+class Sender:
+  """The train side's publishing: launches the bridge for every version the rollout process
+  will ask for (`first`..`last`, set by `start`), then tells it."""
+
+  def __init__(self, bridge: bridge_lib.ParamsBridge, channel: bridge_lib.Channel, main: bool):
+    self.bridge, self.channel, self.main = bridge, channel, main
+    self.first, self.last = 0, -1
+
+  def start(self, first_batch: int, last_batch: int, lag: int, producer: dict | None) -> None:
+    """Tells the rollout process which batches to make (and from which producer state)."""
+    self.first = params_version(first_batch, lag)
+    self.last = params_version(last_batch, lag) if last_batch >= first_batch else -1
+    if self.main:
+      self.channel.set("start", json.dumps({"first_batch": first_batch, "last_batch": last_batch,
+                                            "producer": producer}))
+
+  def __call__(self, version: int, params) -> None:
+    if self.first <= version <= self.last:
+      self.bridge.send(params)
+      if self.main:
+        self.channel.set(f"publish/{version}", "1")
+    return None
+
+  def done(self) -> None:
+    if self.main:
+      self.channel.set("done", "1")
+
+
+def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None) -> dict:
+  """The rollout process's whole run (module docstring); returns a summary of what it made."""
+  cfg = parts.cfg
+  r = cfg.rollout
+  stop = stop or (lambda: False)
+  channel = bridge_lib.Channel()
+  bridge = make_bridge(parts, mesh_shape, params)
+  shardings = parts.rollout_shardings
+  ended = threading.Event()
+  failure: list[BaseException] = []
+  told_stop = False
+
+  def should_stop() -> bool:
+    nonlocal told_stop
+    if stop() and not told_stop:  # a signal here: the train side decides when to stop
+      channel.set("stop", "1")
+      told_stop = True
+    return ended.is_set() or bool(failure) or channel.has("done")
+
+  start = json.loads(channel.wait("start", should_stop))
+  first, last = start["first_batch"], start["last_batch"]
+  producer = RolloutProducer(parts, parts.train_loop())
+  if start["producer"] is not None:
+    producer.load_state_dict(start["producer"])
+  handoff = ParamsHandoff()
+  versions = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \
+      if last >= first else range(0)
+
+  def receive() -> None:  # the only thread that launches the program spanning both sides
+    try:
+      for v in versions:
+        channel.wait(f"publish/{v}", should_stop)
+        handoff.publish(v, bridge.receive(shardings))
+    except bridge_lib.ChannelClosed:
+      pass
+    except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+      failure.append(e)
+
+  receiver = threading.Thread(target=receive, name="params-receiver", daemon=True)
+  receiver.start()
+  fields = producer.fields
+  made = 0
+  trainers = train_processes(mesh_shape)
+  progress.say(f"rollout process {jax.process_index()}: making batches {first}..{last} for "
+               f"train processes {list(trainers)} (lag {r.lag})")
+  try:
+    for b in range(first, last + 1):
+      v = params_version(b, r.lag)
+      while True:
+        if failure:
+          raise failure[0]
+        try:
+          p = handoff.get(v, timeout=0.2)
+          break
+        except TimeoutError:
+          if should_stop():
+            return {"rollout/batches": made, "rollout/stopped": True}
+      handoff.prune_below(v)
+      started = time.time()
+      item = producer.produce(b, p, v)
+      arrays = {k: np.asarray(x) for k, x in parts.data.get(item.meta, fields).items()}
+      parts.data.discard(item.meta)
+      head = {"meta": item.meta.to_json(), "submit_version": item.submit_version,
+              "sample_time_s": item.sample_time_s, "counts": item.counts,
+              "info": {k: json_num(x) for k, x in item.info.items()},
+              "producer": producer.state_dict(), "started_at": started,
+              "finished_at": time.time()}
+      data = bridge_lib.pack(arrays, head)
+      for q in trainers:
+        channel.put_bytes(f"rows/{b}/{q}", data)
+      made += 1
+    while not should_stop():
+      time.sleep(0.2)
+  finally:
+    ended.set()
+    receiver.join(timeout=30)
+  return {"rollout/batches": made, "rollout/stopped": False}

@@ -1,0 +1,79 @@
+"""Disaggregated across processes (`mesh.rollout_processes`, `jaxrl.pipeline.remote`).
+
+Two processes x 4 simulated CPU devices: process 0's devices only generate, process 1's only
+train, lag 1, through `python -m jaxrl.train`. The per-step metrics must be one colocated
+process's (8 devices) for the same keys (<= 1e-5), with first-token staleness exactly
+min(step - 1, 1), only the train process writing the run directory, and the rollout process
+generating batch b + 1 while step b trains (each row carries the wall-clock span of its batch's
+generation and of its train step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from processes import communicate, free_port
+from test_distributed import _env
+
+ARGS = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+        "--config.sft.enabled=false", "--config.train.steps=4", "--config.task.dev_size=16",
+        "--config.task.val_size=16", "--config.val.batch_size=16", "--config.val.at_start=false",
+        "--config.val.every=2", "--config.rollout.num_prompts=8", "--config.rollout.lag=1",
+        "--config.mesh.data=-1"]
+SKIP = ("perf/", "pipeline/", "data_plane/train_rows", "val/trainer_wait_s")
+
+
+def _rows(path, phase="rl") -> list[dict]:
+  with open(path / "metrics.jsonl") as f:
+    return [r for r in map(json.loads, f) if r.get("phase") == phase]
+
+
+@pytest.mark.slow
+def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path):
+  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS,
+                        f"--config.run_dir={tmp_path / 'one'}"], env=_env(8), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stdout + one.stderr
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jaxrl.train", *ARGS, "--config.mesh.rollout_processes=0",
+       f"--config.run_dir={tmp_path / 'two'}"],
+      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  outs = communicate(procs, 600)
+  assert "processes [0] generate on their 4 devices" in outs[1], outs[1]
+  assert "wrote " in outs[1] and "wrote " not in outs[0], outs
+
+  base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
+  assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
+  assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]
+  compared = 0
+  for a, b in zip(base, rows):
+    for k, v in a.items():
+      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
+        continue
+      assert k in b, k
+      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
+      compared += 1
+  assert compared > 150
+  # Validation ran on the train processes (steps 2 and 4), with the one-process accuracy.
+  assert [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "two", "val")] == \
+      [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "one", "val")]
+
+  # The rollout process never waits for a step it does not need: batch s (version s - 1) starts
+  # after step s - 1 and before step s ends. Step s trains batch s - 1 meanwhile (their spans
+  # intersect) unless a validation pass (inline, after step 2) came between.
+  for prev, row, nxt in zip([None] + rows, rows, rows[1:]):
+    gen_from, gen_to = nxt["pipeline/generated_from"], nxt["pipeline/generated_to"]
+    assert prev is None or prev["perf/train_to"] < gen_from, (prev, nxt)
+    assert gen_from < row["perf/train_to"], (row, nxt)
+    if row["step"] - 1 != 2:
+      assert gen_to > row["perf/train_from"], (row, nxt)
