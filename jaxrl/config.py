@@ -155,6 +155,10 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
                        " train")
   if mesh is None:
     return None
+  if n_r < mesh.size:  # checkpoints mirror the train mesh on rollout devices (pipeline.remote)
+    problems.append(f"{key}: the rollout processes' {n_r} devices must be at least the train "
+                    f"mesh's {mesh.size} (each checkpoint lays the train state over both)")
+    return None
   return dataclasses.replace(mesh, train_devices=num_devices - n_r, rollout_devices=n_r,
                              rollout_tensor=good["mesh.rollout_tensor"], rollout_processes=ids)
 

@@ -349,8 +349,17 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     start = run_dir_lib.decide(cfg, run_dir, progress.say, write=main)
     if jax.process_count() > 1:  # process 0 has moved a previous run aside
       multihost_utils.sync_global_devices("jaxrl-run-dir")
-    if rollout_side:
-      return remote.serve(parts, params, mesh_shape, progress, stop)
+    own_dir = checkpoint.checkpoint_dir(run_dir)
+    ckpt = checkpoint.Checkpointer(own_dir, keep=cfg.checkpoint.keep,
+                                   async_save=cfg.checkpoint.async_save)
+    if across:  # both sides take part in every checkpoint (`jaxrl.pipeline.remote`)
+      remote.use_first_replica_writes()
+      union = remote.union_mesh(remote.train_mesh(mesh_shape), remote.sides(mesh_shape)[1])
+      if rollout_side:
+        inner, ckpt = ckpt, None  # serve closes it when the train side does
+        return remote.serve(parts, params, mesh_shape, progress, stop, ckpt=inner,
+                            union=union)
+      ckpt = remote.MirroredCheckpointer(ckpt, remote.bridge_lib.Channel(), union, main)
     if main:
       with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config_lib.to_dict(cfg), f, indent=2)
@@ -358,10 +367,6 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
         # What `python -m jaxrl.export` needs besides the weights, kept with the run so the export
         # does not depend on the starting directory still being there.
         export.copy_metadata(cfg.model.hf_path, os.path.join(run_dir, export.METADATA_DIR))
-    own_dir = checkpoint.checkpoint_dir(run_dir)
-    if not across:
-      ckpt = checkpoint.Checkpointer(own_dir, keep=cfg.checkpoint.keep,
-                                     async_save=cfg.checkpoint.async_save)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     progress.say(f"jaxrl | run dir {run_dir} | task {cfg.task.name} | model {n_params:,} params | "
                  f"mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
@@ -401,6 +406,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       if start.resume is not None:
         directory, step, host = start.resume
         same = os.path.abspath(directory) == os.path.abspath(own_dir)
+        if across and not same:
+          raise config_lib.ConfigError([
+              f"{config_lib.PREFIX}resume: with {config_lib.PREFIX}mesh.rollout_processes a run "
+              f"resumes from its own checkpoints only, got {directory}"])
         reader = ckpt if same else checkpoint.Checkpointer(directory, read_only=True)
         resume = (reader, step, host)
         warm = LoopState.restore_warmup(host)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,20 +35,36 @@ def _rows(path, phase="rl") -> list[dict]:
     return [r for r in map(json.loads, f) if r.get("phase") == phase]
 
 
+def _start(run_dir) -> list[subprocess.Popen]:
+  port = free_port()
+  return [subprocess.Popen(
+      [sys.executable, "-m", "jaxrl.train", *ARGS, "--config.mesh.rollout_processes=0",
+       f"--config.run_dir={run_dir}"],
+      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+      cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+
+
+def _same(base: list[dict], rows: list[dict]) -> int:
+  """How many values of `base` `rows` repeat (<= 1e-5); asserts they all do."""
+  compared = 0
+  for a, b in zip(base, rows, strict=True):
+    for k, v in a.items():
+      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
+        continue
+      assert k in b, k
+      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
+      compared += 1
+  return compared
+
+
 @pytest.mark.slow
 def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path):
   one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS,
                         f"--config.run_dir={tmp_path / 'one'}"], env=_env(8), cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
   assert one.returncode == 0, one.stdout + one.stderr
-  port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.train", *ARGS, "--config.mesh.rollout_processes=0",
-       f"--config.run_dir={tmp_path / 'two'}"],
-      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  outs = communicate(procs, 600)
+  outs = communicate(_start(tmp_path / "two"), 600)
   assert "processes [0] generate on their 4 devices" in outs[1], outs[1]
   assert "wrote " in outs[1] and "wrote " not in outs[0], outs
 
@@ -55,15 +73,7 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
   assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]
-  compared = 0
-  for a, b in zip(base, rows):
-    for k, v in a.items():
-      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
-        continue
-      assert k in b, k
-      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
-      compared += 1
-  assert compared > 150
+  assert _same(base, rows) > 150
   # Validation ran on the train processes (steps 2 and 4), with the one-process accuracy.
   assert [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "two", "val")] == \
       [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "one", "val")]
@@ -77,3 +87,21 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
     assert gen_from < row["perf/train_to"], (row, nxt)
     if row["step"] - 1 != 2:
       assert gen_to > row["perf/train_from"], (row, nxt)
+
+  # SIGTERM to the rollout process after step 1 (a preempted host): it tells the train process,
+  # which checkpoints both sides' way (the rollout process takes part in the save) and stops;
+  # both exit 0, and the same command again resumes and writes the uninterrupted run's metrics.
+  run = tmp_path / "term"
+  procs = _start(run)
+  deadline = time.monotonic() + 300
+  while not ((run / "metrics.jsonl").exists() and len(_rows(run)) >= 1):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+    time.sleep(0.05)
+  procs[0].send_signal(signal.SIGTERM)
+  outs = communicate(procs, 600)
+  assert "stopped by signal after step" in outs[1], outs[1]
+  stopped = len(_rows(run))
+  assert 1 <= stopped < 4, outs[1]
+  outs = communicate(_start(run), 600)
+  assert f"resumed at step {stopped}" in outs[1], outs[1]
+  assert _same(rows, _rows(run)) > 150

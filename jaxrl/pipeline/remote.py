@@ -49,6 +49,14 @@ def sides(mesh_shape) -> tuple[list, list]:
           [d for d in devices if d.process_index in procs])
 
 
+def train_mesh(mesh_shape):
+  """The train mesh of a run disaggregated across processes (the same on both sides)."""
+  from jaxrl import parallel
+
+  return parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
+                            sides(mesh_shape)[0][:mesh_shape.train_devices])
+
+
 def train_processes(mesh_shape) -> tuple[int, ...]:
   procs = set(mesh_shape.rollout_processes)
   return tuple(q for q in range(jax.process_count()) if q not in procs)
@@ -155,8 +163,12 @@ class Sender:
       self.channel.set("done", "1")
 
 
-def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None) -> dict:
-  """The rollout process's whole run (module docstring); returns a summary of what it made."""
+def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, *,
+          ckpt=None, union=None) -> dict:
+  """The rollout process's whole run (module docstring); returns a summary of what it made.
+  `ckpt` (a `Checkpointer` on the run's checkpoint directory) and `union` (`union_mesh`): the
+  checkpoints it takes part in (`serve_checkpoints`, on a thread of its own) until the train side
+  closes them."""
   cfg = parts.cfg
   r = cfg.rollout
   stop = stop or (lambda: False)
@@ -174,6 +186,27 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None) 
       told_stop = True
     return ended.is_set() or bool(failure) or channel.has("done")
 
+  saver = None
+  quit_saving = threading.Event()
+  if ckpt is not None:
+    saver = threading.Thread(target=serve_checkpoints, name="checkpoint-mirror",
+                             args=(ckpt, channel, union, quit_saving.is_set), daemon=True)
+    saver.start()
+  try:
+    made = _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_stop,
+                     failure, ended)
+  except BaseException:
+    quit_saving.set()
+    raise
+  while saver is not None and saver.is_alive():  # until the train side closes its checkpoints
+    saver.join(0.5)
+  return made
+
+
+def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_stop, failure,
+              ended) -> dict:
+  """`serve`'s batches: a receiver thread joins each params version, this one generates."""
+  r = parts.cfg.rollout
   start = json.loads(channel.wait("start", should_stop))
   first, last = start["first_batch"], start["last_batch"]
   producer = RolloutProducer(parts, parts.train_loop())
@@ -232,3 +265,145 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None) 
     ended.set()
     receiver.join(timeout=30)
   return {"rollout/batches": made, "rollout/stopped": False}
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+#
+# Orbax saves and restores with every process of a run taking part, and each process must hold a
+# shard of every array it writes. The rollout process holds none of the train state, so the train
+# side saves it as arrays over a mesh of both sides, `union_mesh`: the train mesh's devices, then
+# as many of the rollout process's, the state replicated over the two (no copy: each train device
+# keeps its buffer, each rollout device gets a zero placeholder of its shard's shape, freed after
+# the save). Orbax writes the first replica only (replica-parallel writing off), so the files are
+# the train state's, and the rollout process runs the same save with its placeholders, in order:
+# the train side sends it each operation (`ckpt/<n>`). Restores go the same way.
+
+
+def union_mesh(train_mesh, rollout_devices):
+  """(side, data, fsdp, tensor): side 0 the train mesh, side 1 its size of rollout devices."""
+  from jax.sharding import Mesh
+
+  n = train_mesh.devices.size
+  if len(rollout_devices) < n:
+    raise ValueError(f"{len(rollout_devices)} rollout devices cannot mirror a train mesh of {n}")
+  side = np.asarray(list(rollout_devices)[:n], dtype=object).reshape(train_mesh.devices.shape)
+  return Mesh(np.stack([train_mesh.devices, side]), ("side", *train_mesh.axis_names))
+
+
+def use_first_replica_writes() -> None:
+  """Orbax writes each array's first replica only (not split over replicas), so placeholders
+  are never written (see above). Set on every process before the first checkpoint."""
+  import orbax.checkpoint as ocp
+
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
+def _spec_of(x):
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  sh = getattr(x, "sharding", None)
+  if isinstance(sh, NamedSharding):
+    return tuple(sh.spec)
+  return tuple(PartitionSpec())
+
+
+def _describe(tree) -> tuple[object, list]:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, [(tuple(x.shape), np.dtype(x.dtype).str, _spec_of(x)) for x in leaves]
+
+
+class MirroredCheckpointer:
+  """The train side's `Checkpointer` when the rollouts run on processes of their own: the same
+  interface; saves and restores go over `union_mesh`, and each is sent to the rollout process
+  first (`serve_checkpoints` runs it there)."""
+
+  def __init__(self, inner, channel: bridge_lib.Channel, union, main: bool):
+    self.inner, self.channel, self.union, self.main = inner, channel, union, main
+    self.directory = inner.directory
+    self.n = 0
+
+  def _tell(self, op: dict) -> None:
+    if self.main:
+      import pickle
+      self.channel.put_bytes(f"ckpt/{self.n}", pickle.dumps(op))
+    self.n += 1
+
+  def _lift(self, x):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    on = NamedSharding(self.union, PartitionSpec(*_spec_of(x)))
+    return jax.make_array_from_single_device_arrays(
+        x.shape, on, [s.data for s in x.addressable_shards])
+
+  def save(self, step: int, state, host: dict, *, force: bool = False) -> bool:
+    treedef, leaves = _describe(state)
+    self._tell({"op": "save", "step": int(step), "treedef": treedef, "leaves": leaves,
+                "host": host, "force": force})
+    return self.inner.save(step, jax.tree.map(self._lift, state), host, force=force)
+
+  def restore(self, step: int | None, target):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    treedef, leaves = _describe(target)
+    self._tell({"op": "restore", "step": step, "treedef": treedef, "leaves": leaves})
+    lifted = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(self.union, PartitionSpec(*_spec_of(x)))),
+        target)
+    state, host = self.inner.restore(step, lifted)
+
+    def lower(x, like):
+      mine = {s.device: s.data for s in x.addressable_shards}
+      order = like.sharding.addressable_devices_indices_map(tuple(x.shape))
+      return jax.make_array_from_single_device_arrays(x.shape, like.sharding,
+                                                      [mine[d] for d in order])
+
+    return jax.tree.map(lower, state, target), host
+
+  def close(self) -> None:
+    self._tell({"op": "close"})
+    self.inner.close()
+
+  def __getattr__(self, name):  # wait, check, all_steps, latest_step, read_host: this side's
+    return getattr(self.inner, name)
+
+
+def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop) -> None:
+  """The rollout process's part of every checkpoint operation the train side sends, in order,
+  until it closes the checkpointer (or `should_stop()` with no operation pending)."""
+  import pickle
+
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  mine = [d for d in union.devices[1].flat if d.process_index == jax.process_index()]
+
+  def placeholders(leaves, treedef, abstract: bool):
+    out = []
+    for shape, dtype, spec in leaves:
+      on = NamedSharding(union, PartitionSpec(*spec))
+      if abstract:
+        out.append(jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=on))
+        continue
+      block = on.shard_shape(tuple(shape))
+      out.append(jax.make_array_from_single_device_arrays(
+          tuple(shape), on, [jax.device_put(np.zeros(block, np.dtype(dtype)), d) for d in mine]))
+    return jax.tree.unflatten(treedef, out)
+
+  n = 0
+  while True:
+    try:
+      op = pickle.loads(channel.take_bytes(f"ckpt/{n}", should_stop))
+    except bridge_lib.ChannelClosed:
+      return
+    n += 1
+    if op["op"] == "close":
+      ckpt.close()
+      return
+    tree = placeholders(op["leaves"], op["treedef"], abstract=op["op"] != "save")
+    if op["op"] == "save":
+      ckpt.save(op["step"], tree, op["host"], force=op["force"])
+    else:  # restore: this side only takes part; a failure is the train side's to report
+      try:
+        ckpt.restore(op["step"], tree)
+      except Exception:  # noqa: BLE001
+        pass
