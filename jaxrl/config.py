@@ -143,10 +143,20 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
   if good.get("rollout.partial_rollouts"):
     bad.append(f"{PREFIX}rollout.partial_rollouts: not with {key}: the rollout processes get a "
                "params version only between batches")
+  if good.get("model.lora.rank"):
+    bad.append(f"{PREFIX}model.lora.rank: LoRA is not yet supported with {key}; set it to 0 or "
+               f"{key} to ''")
   per = num_devices // num_processes
   if not bad and per % good["mesh.rollout_tensor"]:
     bad.append(f"{PREFIX}mesh.rollout_tensor: must divide the rollout process's {per} devices, "
                f"got {good['mesh.rollout_tensor']}")
+  elif not bad and "rollout.num_prompts" in good and "rollout.group_size" in good:
+    rows = good["rollout.num_prompts"] * good["rollout.group_size"]
+    shards = per // good["mesh.rollout_tensor"]
+    if rows % shards:
+      bad.append(f"{PREFIX}rollout.num_prompts: a batch's {rows} rows (rollout.num_prompts * "
+                 f"rollout.group_size) must split evenly over the rollout process's {shards} "
+                 "row shards")
   problems.extend(bad)
   if bad:
     return None

@@ -132,10 +132,11 @@ CASES = [
     ("process_id_out_of_range", [*MULTI, "--config.distributed.process_id=2"],
      ["distributed.process_id"], "must be < config.distributed.num_processes = 2"),
     # the continuous engine runs on each process's own devices, not where batches are inline
-    ("engine_with_several_processes_and_dynamic_sampling",
-     [*MULTI, "--config.rollout.engine=continuous", "--config.dynamic_sampling.enabled=true"],
-     ["rollout.engine"], "must be 'static' with config.distributed.num_processes > 1 when "
-     "config.dynamic_sampling.enabled is true"),
+    ("rollout_processes_on_one_process", ["--config.mesh.rollout_processes=0"],
+     ["mesh.rollout_processes"], "the run has one process"),
+    ("rollout_processes_with_lora",
+     [*MULTI, "--config.mesh.rollout_processes=0", "--config.model.lora.rank=4"],
+     ["model.lora.rank"], "LoRA is not yet supported with config.mesh.rollout_processes"),
     ("engine_with_several_processes_disaggregated",
      [*MULTI, "--config.rollout.engine=continuous", "--config.mesh.rollout=4"],
      ["rollout.engine"], "config.mesh.rollout > 0 (disaggregated)"),

@@ -79,6 +79,50 @@ def test_rollout_tensor_on_several_processes_splits_each_process():
              for p in e.value.problems), e.value.problems
 
 
+def test_rollout_processes_resolve_to_whole_processes():
+  """`mesh.rollout_processes`: those processes' devices generate, the others' train."""
+  got = config_lib.validate(_cfg(rollout_processes="0", data=-1), 8, num_processes=2)
+  assert got == MeshShape(4, 1, 1, 4, 4, 1, (0,)) and got.disaggregated
+  got = config_lib.validate(_cfg(rollout_processes="1", rollout_tensor=2, data=-1), 8,
+                            num_processes=2)
+  assert got.rollout_processes == (1,) and got.rollout_shape == (2, 1, 2)
+
+
+@pytest.mark.parametrize("settings, processes, key, message", [
+    ({"rollout_processes": "0"}, 1, "config.mesh.rollout_processes", "the run has one process"),
+    ({"rollout_processes": "2"}, 2, "config.mesh.rollout_processes", "must be < the 2 processes"),
+    ({"rollout_processes": "0,1"}, 2, "config.mesh.rollout_processes",
+     "at least one process must train"),
+    ({"rollout_processes": "0,1"}, 4, "config.mesh.rollout_processes", "one rollout process"),
+    ({"rollout_processes": "0,0"}, 2, "config.mesh.rollout_processes", "distinct process"),
+    ({"rollout_processes": "a"}, 2, "config.mesh.rollout_processes", "got 'a'"),
+    ({"rollout_processes": "0", "rollout": 2}, 2, "config.mesh.rollout", "must be 0 with"),
+    ({"rollout_processes": "0", "rollout_tensor": 3}, 2, "config.mesh.rollout_tensor",
+     "must divide the rollout process's 4 devices"),
+    ({"rollout_processes": "0", "partial_rollouts": True}, 2, "config.rollout.partial_rollouts",
+     "only between batches"),
+    ({"rollout_processes": "0", "lora": 4}, 2, "config.model.lora.rank", "not yet supported"),
+    # 4 processes x 2 devices: the rollout process's 2 cannot mirror a train mesh of 6 (the
+    # checkpoint layout)
+    ({"rollout_processes": "0"}, 4, "config.mesh.rollout_processes",
+     "2 devices must be at least the train mesh's 6"),
+])
+def test_bad_rollout_processes_are_named(settings, processes, key, message):
+  settings = dict(settings)
+  cfg = _cfg(data=-1)
+  cfg.mesh.rollout_processes = settings.pop("rollout_processes")
+  cfg.rollout.partial_rollouts = settings.pop("partial_rollouts", False)
+  if cfg.rollout.partial_rollouts:
+    cfg.rollout.engine = "continuous"
+  cfg.model.lora.rank = settings.pop("lora", 0)
+  for k, v in settings.items():
+    cfg.mesh[k] = v
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg, 8, num_processes=processes)
+  line = next((p for p in e.value.problems if p.startswith(key)), None)
+  assert line is not None and message in line, e.value.problems
+
+
 def _parts(engine="static", **mesh):
   cfg = _cfg(**mesh)
   cfg.rollout.engine = engine

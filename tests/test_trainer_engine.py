@@ -45,10 +45,13 @@ def test_continuous_engine_trains_like_the_static_sampler(tmp_path):
 
 
 def test_continuous_engine_is_refused_with_several_processes():
-  # Where batches are made inline (dynamic sampling): each process's own devices run it otherwise.
+  # Where batches are made inline (a disaggregated mesh within processes): each process's own
+  # devices run it otherwise (dynamic sampling included).
   cfg = _tiny_cfg(rollout__engine="continuous", distributed__num_processes=2,
                   distributed__coordinator_address="127.0.0.1:1234",
                   dynamic_sampling__enabled=True)
+  config_lib.validate(cfg, 8)
+  cfg.mesh.rollout = 4
   with pytest.raises(config_lib.ConfigError, match="config.rollout.engine: must be 'static'"):
     config_lib.validate(cfg, 8)
 

@@ -406,18 +406,19 @@ def publish_local(params, mesh: Mesh, local: Mesh):
 
 
 def any_process(flag: bool) -> bool:
-  """Whether `flag` is true on any process: one small collective when there are several (every
-  process must call it at the same point of the program), the flag itself for one. How a signal
-  that reached one process (a preempted host) becomes every process's decision at the same
-  step."""
+  """Whether `flag` is true on any process of the training loop (`group`): one small
+  collective when there are several (each of them must call it at the same point of the
+  program), the flag itself for one. How a signal that reached one process (a preempted host)
+  becomes every process's decision at the same step."""
   if len(group()) == 1:
     return bool(flag)
   return bool(_group_allgather(np.asarray([int(bool(flag))], np.int32)).any())
 
 
 def allgather_json(value) -> list:
-  """Every process's `value` (JSON-able; floats round-trip exactly, NaN included), in process
-  order. Two small collectives: every process must call it at the same point of the program."""
+  """Every training-loop process's `value` (`group`; JSON-able; floats round-trip exactly, NaN
+  included), in process order. Two small collectives: each of them must call it at the same
+  point of the program."""
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
   sizes = _group_allgather(np.asarray([data.size], np.int64)).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)

@@ -105,6 +105,8 @@ class Receiver:
       raise RuntimeError(f"batch {batch_id} was generated with params version "
                          f"{head['submit_version']}, expected {version}")
     self.remote_state = head["producer"]
+    # The rows the rollout process's draws skipped so far (`data/skipped/<reason>`).
+    self.parts.source.skipped.update(head["skipped"])
     info = {k: from_json_num(v) for k, v in head["info"].items()}
     info["pipeline/generated_from"] = head["started_at"]
     info["pipeline/generated_to"] = head["finished_at"]
@@ -253,7 +255,8 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
       head = {"meta": item.meta.to_json(), "submit_version": item.submit_version,
               "sample_time_s": item.sample_time_s, "counts": item.counts,
               "info": {k: json_num(x) for k, x in item.info.items()},
-              "producer": producer.state_dict(), "started_at": started,
+              "producer": producer.state_dict(), "skipped": dict(parts.source.skipped),
+              "started_at": started,
               "finished_at": time.time()}
       data = bridge_lib.pack(arrays, head)
       for q in trainers:
