@@ -223,7 +223,7 @@ class ParamsBridge:
   # -- rollout side --------------------------------------------------------------------------------
 
   def _post(self, shardings):
-    T, R, b, n = self.T, self.R, self.block, self.total
+    n = self.total
     sizes, shapes, out = self.sizes, self.shapes, self.out
     treedef = self.treedef
 

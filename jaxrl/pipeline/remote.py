@@ -171,8 +171,6 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   `ckpt` (a `Checkpointer` on the run's checkpoint directory) and `union` (`union_mesh`): the
   checkpoints it takes part in (`serve_checkpoints`, on a thread of its own) until the train side
   closes them."""
-  cfg = parts.cfg
-  r = cfg.rollout
   stop = stop or (lambda: False)
   channel = bridge_lib.Channel()
   bridge = make_bridge(parts, mesh_shape, params)
