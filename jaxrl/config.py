@@ -143,9 +143,6 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
   if good.get("rollout.partial_rollouts"):
     bad.append(f"{PREFIX}rollout.partial_rollouts: not with {key}: the rollout processes get a "
                "params version only between batches")
-  if good.get("model.lora.rank"):
-    bad.append(f"{PREFIX}model.lora.rank: LoRA is not yet supported with {key}; set it to 0 or "
-               f"{key} to ''")
   per = num_devices // num_processes
   if not bad and per % good["mesh.rollout_tensor"]:
     bad.append(f"{PREFIX}mesh.rollout_tensor: must divide the rollout process's {per} devices, "

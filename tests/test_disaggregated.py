@@ -101,7 +101,6 @@ def test_rollout_processes_resolve_to_whole_processes():
      "must divide the rollout process's 4 devices"),
     ({"rollout_processes": "0", "partial_rollouts": True}, 2, "config.rollout.partial_rollouts",
      "only between batches"),
-    ({"rollout_processes": "0", "lora": 4}, 2, "config.model.lora.rank", "not yet supported"),
     # 4 processes x 2 devices: the rollout process's 2 cannot mirror a train mesh of 6 (the
     # checkpoint layout)
     ({"rollout_processes": "0"}, 4, "config.mesh.rollout_processes",
@@ -114,7 +113,6 @@ def test_bad_rollout_processes_are_named(settings, processes, key, message):
   cfg.rollout.partial_rollouts = settings.pop("partial_rollouts", False)
   if cfg.rollout.partial_rollouts:
     cfg.rollout.engine = "continuous"
-  cfg.model.lora.rank = settings.pop("lora", 0)
   for k, v in settings.items():
     cfg.mesh[k] = v
   with pytest.raises(ConfigError) as e:

@@ -94,17 +94,17 @@ def test_default_run_with_lag_two_learns_with_exact_staleness(isa, tmp_path):
 
 @pytest.mark.slow
 def test_learning_benchmark_reports_every_run_and_the_weakest_margins(tmp_path):
-  # benchmarks/learning.py --quick: seed 0 and a lag-2 run on both code paths, 5 RL steps each.
-  # The report must hold every run with its numbers, and the weakest margins must be the
-  # extremes of those runs (a wrong min/max would name another run or value).
+  # benchmarks/learning.py --quick: seed 0 and a lag-2 run, 5 RL steps each (native code only:
+  # the AVX2 path is the learning tests' own, above, and CI time is better spent there). The
+  # report must hold every run with its numbers, and the weakest margins must be the extremes of
+  # those runs (a wrong min/max would name another run or value).
   bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "learning.py")
-  proc = subprocess.run([sys.executable, bench, "--quick", "--out-dir", str(tmp_path)],
-                        capture_output=True, text=True, timeout=900)
+  proc = subprocess.run([sys.executable, bench, "--quick", "--isas", "native", "--out-dir",
+                         str(tmp_path)], capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout)
   runs = report["runs"]
-  assert sorted(r["run"] for r in runs) == ["seed0-avx2", "seed0-avx2-lag2", "seed0-native",
-                                            "seed0-native-lag2"]
+  assert sorted(r["run"] for r in runs) == ["seed0-native", "seed0-native-lag2"]
   assert all(r["returncode"] == 0 and r["rl_steps"] == 5 for r in runs), runs
   assert all(r["staleness_exact"] for r in runs if r["lag"]), runs
   w = report["weakest"]

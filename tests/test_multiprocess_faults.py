@@ -3,8 +3,8 @@
 SIGKILL of either process at a random step after the first checkpoint: the survivor exits
 non-zero within `distributed.peer_timeout_s` (plus slack for this loaded 2-core machine) with a
 message naming the lost process, and rerunning the same command on both processes writes the same
-per-step metrics as an uninterrupted run (compared with one process x 8 devices, which equals two
-processes to 1e-5: `test_parity`), at lag 0 and lag 2. SIGTERM to one process only (a preempted
+per-step metrics as an uninterrupted run of one process x 8 devices (so two processes equal one
+to 1e-5 at lag 0 here; at lag 1, `test_parity`), at lag 0 and lag 2. SIGTERM to one process only (a preempted
 host): both checkpoint the same step and exit 0, and the rerun continues from there with no step
 lost or repeated.
 """

@@ -216,7 +216,11 @@ class ParamsBridge:
 
   def send(self, params) -> None:
     """The train side's part of publishing `params` (launched, not waited for)."""
-    rows = self._pack(jax.tree.leaves(params))
+    leaves, treedef = jax.tree.flatten(params)
+    if treedef != self.treedef:  # the blocks are cut in leaf order: both sides must agree on it
+      raise ValueError(f"ParamsBridge.send: params tree {treedef} is not the template's "
+                       f"{self.treedef}")
+    rows = self._pack(leaves)
     by_device = {s.device: s.data for s in rows.addressable_shards}
     self._run([by_device[d] for d in self._mine(self.train)])
 

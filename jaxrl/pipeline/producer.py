@@ -266,14 +266,14 @@ class RolloutProducer:
     arrays = {k: v for k, v in batch._asdict().items() if v is not None}
     arrays["policy_version"] = ep.policy_version
     if place:
-      perm = self._placement(meta, dp.num_row_shards() if share is None else share.row_shards)
+      perm = self.placement(meta, dp.num_row_shards() if share is None else share.row_shards)
       meta = meta.subset(perm)
       arrays = {k: v[perm] for k, v in arrays.items()}
     if share is not None:
       return meta, arrays  # placed by `globalize`, on the trainer thread
     return dp.put(meta, arrays)
 
-  def _placement(self, meta: BatchMeta, shards: int) -> np.ndarray:
+  def placement(self, meta: BatchMeta, shards: int) -> np.ndarray:
     """The row order a batch is stored in over `shards` data shards: length-balanced rows; with
     `train.share_prompts` (the step runs each group's prompt once and needs its G rows next to
     each other) whole groups balanced by their tokens, or, where the shards do not split the
@@ -326,7 +326,7 @@ class RolloutProducer:
           generate, num_groups=P, max_gen_batches=ds.max_gen_batches, tol=ds.tol,
           reward_field=ds.reward_field, discard=self.parts.data.discard)
       info.update(ds_info)
-      meta = meta.subset(self._placement(meta, self.parts.data.num_row_shards()))
+      meta = meta.subset(self.placement(meta, self.parts.data.num_row_shards()))
       counts["filtered"] = info["dynamic_sampling/dropped_groups"]
     else:
       # One generation; a filtered group is re-sampled into its own slot (lag > 0 dynamic

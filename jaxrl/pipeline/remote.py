@@ -114,9 +114,13 @@ class Receiver:
                     head["counts"], local=LocalRows(arrays, {}, {}))
 
   def globalize(self, item: RingItem) -> RingItem:
+    """The rows in the data plane, in this train mesh's length-balanced order (the rollout
+    process placed them over its own row shards)."""
     if item.local is None:
       return item
-    meta = self.parts.data.put(item.meta, item.local.arrays)
+    perm = self.codec.placement(item.meta, self.parts.data.num_row_shards())
+    meta = self.parts.data.put(item.meta.subset(perm),
+                               {k: v[perm] for k, v in item.local.arrays.items()})
     return RingItem(meta, item.submit_version, item.sample_time_s, item.info)
 
   def state_dict(self) -> dict:
