@@ -247,6 +247,8 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
           p = handoff.get(v, timeout=0.2)
           break
         except TimeoutError:
+          if failure:  # e.g. the publish failed because the train side is gone
+            raise failure[0] from None
           if should_stop():
             return {"rollout/batches": made, "rollout/stopped": True}
       handoff.prune_below(v)
