@@ -11,7 +11,6 @@ generation and of its train step).
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -21,13 +20,13 @@ import pytest
 
 from processes import communicate, free_port
 from test_distributed import _env
+from test_multiprocess_rollouts import same_metrics
 
 ARGS = ["--config.model.d_model=32", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
         "--config.sft.enabled=false", "--config.train.steps=4", "--config.task.dev_size=16",
         "--config.task.val_size=16", "--config.val.batch_size=16", "--config.val.at_start=false",
         "--config.val.every=2", "--config.rollout.num_prompts=8", "--config.rollout.lag=1",
         "--config.mesh.data=-1"]
-SKIP = ("perf/", "pipeline/", "data_plane/train_rows", "val/trainer_wait_s")
 
 
 def _rows(path, phase="rl") -> list[dict]:
@@ -45,19 +44,6 @@ def _start(run_dir) -> list[subprocess.Popen]:
       for i in range(2)]
 
 
-def _same(base: list[dict], rows: list[dict]) -> int:
-  """How many values of `base` `rows` repeat (<= 1e-5); asserts they all do."""
-  compared = 0
-  for a, b in zip(base, rows, strict=True):
-    for k, v in a.items():
-      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
-        continue
-      assert k in b, k
-      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
-      compared += 1
-  return compared
-
-
 @pytest.mark.slow
 def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path):
   one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS,
@@ -73,7 +59,7 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
   assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]
-  assert _same(base, rows) > 150
+  assert same_metrics(base, rows) > 150
   # Validation ran on the train processes (steps 2 and 4), with the one-process accuracy.
   assert [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "two", "val")] == \
       [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "one", "val")]
@@ -104,4 +90,4 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
   assert 1 <= stopped < 4, outs[1]
   outs = communicate(_start(run), 600)
   assert f"resumed at step {stopped}" in outs[1], outs[1]
-  assert _same(rows, _rows(run)) > 150
+  assert same_metrics(rows, _rows(run)) > 150

@@ -68,6 +68,20 @@ print("SEEN " + json.dumps(seen), flush=True)
 SKIP = ("perf/", "pipeline/", "data_plane/train_rows", "val/trainer_wait_s")
 
 
+def same_metrics(base: list[dict], rows: list[dict]) -> int:
+  """How many numeric values of `base`'s rows `rows` repeat (<= 1e-5; timings and how far the
+  rollout worker had got, `SKIP`, excepted); asserts they all do, row by row."""
+  compared = 0
+  for a, b in zip(base, rows, strict=True):
+    for k, v in a.items():
+      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
+        continue
+      assert k in b, k
+      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
+      compared += 1
+  return compared
+
+
 def _rows(path) -> list[dict]:
   with open(path / "metrics.jsonl") as f:
     return [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
@@ -127,15 +141,7 @@ def test_two_processes_overlap_and_match_one_process(tmp_path, program):
   assert [r["consume_version"] - r["submit_version"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
-  compared = 0
-  for a, b in zip(base, rows):
-    for k, v in a.items():
-      if k.startswith(SKIP) or not isinstance(v, (int, float)) or isinstance(v, bool):
-        continue
-      assert k in b, k
-      assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, v, b[k])
-      compared += 1
-  assert compared > 50
+  assert same_metrics(base, rows) > 50
 
 
 # Dynamic sampling on two processes: each process filters and regenerates its own groups on its
