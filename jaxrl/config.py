@@ -143,6 +143,14 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
   if good.get("rollout.partial_rollouts"):
     bad.append(f"{PREFIX}rollout.partial_rollouts: not with {key}: the rollout processes get a "
                "params version only between batches")
+  resume, run_dir = good.get("resume"), good.get("run_dir")
+  if resume not in (None, "auto", "none") and run_dir:
+    # Both sides take part in the restore of their own run's checkpoints (`pipeline.remote`).
+    own = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    path = os.path.abspath(resume)
+    if path not in (os.path.abspath(run_dir), own) and os.path.dirname(path) != own:
+      bad.append(f"{PREFIX}resume: with {key} a run resumes from its own checkpoints only "
+                 f"({own}), got {resume!r}")
   per = num_devices // num_processes
   if not bad and per % good["mesh.rollout_tensor"]:
     bad.append(f"{PREFIX}mesh.rollout_tensor: must divide the rollout process's {per} devices, "

@@ -101,18 +101,23 @@ def test_rollout_processes_resolve_to_whole_processes():
      "must divide the rollout process's 4 devices"),
     ({"rollout_processes": "0", "partial_rollouts": True}, 2, "config.rollout.partial_rollouts",
      "only between batches"),
+    ({"rollout_processes": "0", "resume": "other/checkpoints/4"}, 2, "config.resume",
+     "resumes from its own checkpoints only"),
     # 4 processes x 2 devices: the rollout process's 2 cannot mirror a train mesh of 6 (the
     # checkpoint layout)
     ({"rollout_processes": "0"}, 4, "config.mesh.rollout_processes",
      "2 devices must be at least the train mesh's 6"),
 ])
-def test_bad_rollout_processes_are_named(settings, processes, key, message):
+def test_bad_rollout_processes_are_named(settings, processes, key, message, tmp_path):
   settings = dict(settings)
   cfg = _cfg(data=-1)
   cfg.mesh.rollout_processes = settings.pop("rollout_processes")
   cfg.rollout.partial_rollouts = settings.pop("partial_rollouts", False)
   if cfg.rollout.partial_rollouts:
     cfg.rollout.engine = "continuous"
+  if "resume" in settings:  # another run's checkpoint step, which exists
+    (tmp_path / settings["resume"]).mkdir(parents=True)
+    cfg.run_dir, cfg.resume = str(tmp_path / "mine"), str(tmp_path / settings.pop("resume"))
   for k, v in settings.items():
     cfg.mesh[k] = v
   with pytest.raises(ConfigError) as e:

@@ -263,12 +263,3 @@ class ParamsBridge:
   @functools.cached_property
   def _posts(self) -> dict:
     return {}
-
-
-def wait_until(predicate: Callable[[], bool], should_stop: Callable[[], bool],
-               poll_s: float = 0.05) -> None:
-  """Polls `predicate` until true; ChannelClosed if `should_stop()` first."""
-  while not predicate():
-    if should_stop():
-      raise ChannelClosed("stopped")
-    time.sleep(poll_s)
