@@ -65,7 +65,10 @@ class MeshShape:
 
   @property
   def rollout_shape(self) -> tuple[int, int, int]:
-    return (self.rollout_devices // self.rollout_tensor, 1, self.rollout_tensor)
+    """The rollout mesh's shape: across processes (`rollout_processes`), each rollout process's
+    own mesh over its devices."""
+    n = self.rollout_devices // max(1, len(self.rollout_processes))
+    return (n // self.rollout_tensor, 1, self.rollout_tensor)
 
 
 def _device_count(key: str, value: float, num_devices: int, problems: list[str]) -> int | None:
@@ -134,8 +137,6 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
                f"{good['mesh.rollout_processes']!r}")
   elif len(ids) >= num_processes:
     bad.append(f"{key}: at least one process must train, got all {num_processes}")
-  elif len(ids) > 1:
-    bad.append(f"{key}: one rollout process for now, got {len(ids)}")
   for other in ("mesh.rollout", "mesh.train"):
     if good[other]:
       bad.append(f"{PREFIX}{other}: must be 0 with {key} (whole processes decide the split), "
@@ -156,12 +157,18 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
     bad.append(f"{PREFIX}mesh.rollout_tensor: must divide the rollout process's {per} devices, "
                f"got {good['mesh.rollout_tensor']}")
   elif not bad and "rollout.num_prompts" in good and "rollout.group_size" in good:
-    rows = good["rollout.num_prompts"] * good["rollout.group_size"]
+    # Each rollout process makes an equal run of whole groups of every batch.
+    prompts, k = good["rollout.num_prompts"], len(ids)
+    rows = prompts // k * good["rollout.group_size"]
     shards = per // good["mesh.rollout_tensor"]
-    if rows % shards:
-      bad.append(f"{PREFIX}rollout.num_prompts: a batch's {rows} rows (rollout.num_prompts * "
-                 f"rollout.group_size) must split evenly over the rollout process's {shards} "
-                 "row shards")
+    if prompts % k:
+      bad.append(f"{PREFIX}rollout.num_prompts: must split evenly over the {k} rollout "
+                 f"processes (whole groups each), got {prompts}")
+    elif rows % shards:
+      each = " each" if k > 1 else ""
+      bad.append(f"{PREFIX}rollout.num_prompts: the {rows} rows (rollout.num_prompts * "
+                 f"rollout.group_size{' / ' + str(k) if k > 1 else ''}) a rollout process "
+                 f"makes of a batch must split evenly over its {shards} row shards{each}")
   problems.extend(bad)
   if bad:
     return None
@@ -170,9 +177,12 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
                        " train")
   if mesh is None:
     return None
-  if n_r < mesh.size:  # checkpoints mirror the train mesh on rollout devices (pipeline.remote)
+  if n_r < mesh.size or mesh.size < len(ids):
+    # Checkpoints mirror the train mesh on rollout devices, at least one of each rollout process
+    # (pipeline.remote.union_mesh).
     problems.append(f"{key}: the rollout processes' {n_r} devices must be at least the train "
-                    f"mesh's {mesh.size} (each checkpoint lays the train state over both)")
+                    f"mesh's {mesh.size}, and the train mesh at least one device per rollout "
+                    f"process ({len(ids)}): each checkpoint lays the train state over both")
     return None
   return dataclasses.replace(mesh, train_devices=num_devices - n_r, rollout_devices=n_r,
                              rollout_tensor=good["mesh.rollout_tensor"], rollout_processes=ids)

@@ -253,10 +253,11 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
     # Disaggregated across processes (`jaxrl.pipeline.remote`): the train side's meshes are the
     # train processes' devices (evaluation generates there too); a rollout process's, its own
     # devices, which it generates on as one process would.
+    me = jax.process_index()
     train_devs, rollout_devs = remote_sides(mesh_shape)
-    mine = rollout_devs if jax.process_index() in mesh_shape.rollout_processes else train_devs
-    devices = mine
-    if mine is rollout_devs:
+    devices = train_devs
+    if me in mesh_shape.rollout_processes:
+      devices = [d for d in rollout_devs if d.process_index == me]
       mesh_shape = config_lib.MeshShape(*mesh_shape.rollout_shape)
   mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
                             devices[:mesh_shape.train_devices or len(devices)])

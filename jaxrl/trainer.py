@@ -187,7 +187,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     producer = RolloutProducer(parts, parts.train_loop(
         handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
   else:  # the rollout process makes the batches; each version goes there as it is published
-    producer = remote.Receiver(parts, sender.channel)
+    producer = remote.Receiver(parts, sender.channel, sender.bridge.K)
     prepare = lambda p: sender(loop.step, merged(p))
   pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s,
                      inline=not single and share is None and sender is None, prepare=prepare,
@@ -354,12 +354,13 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
                                    async_save=cfg.checkpoint.async_save)
     if across:  # both sides take part in every checkpoint (`jaxrl.pipeline.remote`)
       remote.use_first_replica_writes()
-      union = remote.union_mesh(remote.train_mesh(mesh_shape), remote.sides(mesh_shape)[1])
+      union = remote.union_mesh(remote.train_mesh(mesh_shape), remote.rollout_groups(mesh_shape))
       if rollout_side:
         inner, ckpt = ckpt, None  # serve closes it when the train side does
         return remote.serve(parts, params, mesh_shape, progress, stop, ckpt=inner,
                             union=union)
-      ckpt = remote.MirroredCheckpointer(ckpt, remote.bridge_lib.Channel(), union, main)
+      ckpt = remote.MirroredCheckpointer(ckpt, remote.bridge_lib.Channel(), union, main,
+                                         len(mesh_shape.rollout_processes))
     if main:
       with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config_lib.to_dict(cfg), f, indent=2)
@@ -389,8 +390,8 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
                              remote.bridge_lib.Channel(), main)
       progress.say(f"disaggregated across processes: processes "
                    f"{list(mesh_shape.rollout_processes)} generate on their "
-                   f"{mesh_shape.rollout_devices} devices (mesh "
-                   f"{'x'.join(map(str, mesh_shape.rollout_shape))}), processes "
+                   f"{mesh_shape.rollout_devices} devices (a "
+                   f"{'x'.join(map(str, mesh_shape.rollout_shape))} mesh each), processes "
                    f"{list(remote.train_processes(mesh_shape))} train on "
                    f"{mesh_shape.train_devices}; {sender.bridge.wire_bytes:,} bytes per params "
                    "version")

@@ -86,6 +86,9 @@ def test_rollout_processes_resolve_to_whole_processes():
   got = config_lib.validate(_cfg(rollout_processes="1", rollout_tensor=2, data=-1), 8,
                             num_processes=2)
   assert got.rollout_processes == (1,) and got.rollout_shape == (2, 1, 2)
+  # Several rollout processes (4 x 2 devices): each generates on its own 2-device mesh.
+  got = config_lib.validate(_cfg(rollout_processes="0,1", data=-1), 8, num_processes=4)
+  assert got == MeshShape(4, 1, 1, 4, 4, 1, (0, 1)) and got.rollout_shape == (2, 1, 1)
 
 
 @pytest.mark.parametrize("settings, processes, key, message", [
@@ -93,7 +96,15 @@ def test_rollout_processes_resolve_to_whole_processes():
     ({"rollout_processes": "2"}, 2, "config.mesh.rollout_processes", "must be < the 2 processes"),
     ({"rollout_processes": "0,1"}, 2, "config.mesh.rollout_processes",
      "at least one process must train"),
-    ({"rollout_processes": "0,1"}, 4, "config.mesh.rollout_processes", "one rollout process"),
+    # 4 processes x 2 devices, 3 of them rollout processes: a train mesh of 2 devices cannot
+    # give each a device in every checkpoint's layout; 128 prompts do not split over 3
+    ({"rollout_processes": "0,1,2", "num_prompts": 6}, 4, "config.mesh.rollout_processes",
+     "at least one device per rollout process (3)"),
+    ({"rollout_processes": "0,1,2"}, 4, "config.rollout.num_prompts",
+     "must split evenly over the 3 rollout processes"),
+    # 2 processes x 4 devices: 3 prompts x 2 = 6 rows over the rollout process's 4 row shards
+    ({"rollout_processes": "0", "num_prompts": 3, "group_size": 2}, 2,
+     "config.rollout.num_prompts", "must split evenly over its 4 row shards"),
     ({"rollout_processes": "0,0"}, 2, "config.mesh.rollout_processes", "distinct process"),
     ({"rollout_processes": "a"}, 2, "config.mesh.rollout_processes", "got 'a'"),
     ({"rollout_processes": "0", "rollout": 2}, 2, "config.mesh.rollout", "must be 0 with"),
@@ -118,6 +129,9 @@ def test_bad_rollout_processes_are_named(settings, processes, key, message, tmp_
   if "resume" in settings:  # another run's checkpoint step, which exists
     (tmp_path / settings["resume"]).mkdir(parents=True)
     cfg.run_dir, cfg.resume = str(tmp_path / "mine"), str(tmp_path / settings.pop("resume"))
+  for k in ("num_prompts", "group_size"):
+    if k in settings:
+      cfg.rollout[k] = settings.pop(k)
   for k, v in settings.items():
     cfg.mesh[k] = v
   with pytest.raises(ConfigError) as e:

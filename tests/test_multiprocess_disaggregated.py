@@ -1,7 +1,7 @@
 """Disaggregated across processes (`mesh.rollout_processes`, `jaxrl.pipeline.remote`).
 
 Two processes x 4 simulated CPU devices: process 0's devices only generate, process 1's only
-train, lag 1, through `python -m jaxrl.train`. The per-step metrics must be one colocated
+train, lag 1, through `python -m jaxrl.train` (and three processes, two of them generating). The per-step metrics must be one colocated
 process's (8 devices) for the same keys (<= 1e-5), with first-token staleness exactly
 min(step - 1, 1), only the train process writing the run directory, and the rollout process
 generating batch b + 1 while step b trains (each row carries the wall-clock span of its batch's
@@ -34,27 +34,43 @@ def _rows(path, phase="rl") -> list[dict]:
     return [r for r in map(json.loads, f) if r.get("phase") == phase]
 
 
-def _start(run_dir) -> list[subprocess.Popen]:
+def _start(run_dir, processes: int = 2, rollout: str = "0") -> list[subprocess.Popen]:
   port = free_port()
   return [subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.train", *ARGS, "--config.mesh.rollout_processes=0",
+      [sys.executable, "-m", "jaxrl.train", *ARGS, f"--config.mesh.rollout_processes={rollout}",
        f"--config.run_dir={run_dir}"],
-      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+      env=_env(4, WORLD_SIZE=str(processes), RANK=str(i), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port)),
       cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
+      for i in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The colocated one-process run (8 devices) every disaggregated run must repeat."""
+  path = tmp_path_factory.mktemp("one")
+  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS, f"--config.run_dir={path}"],
+                       env=_env(8), cwd=path.parent, capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stdout + one.stderr
+  return path
+
+
+def _sigterm_after_first_step(run, procs, victim: int) -> list[str]:
+  deadline = time.monotonic() + 300
+  while not ((run / "metrics.jsonl").exists() and len(_rows(run)) >= 1):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+    time.sleep(0.05)
+  procs[victim].send_signal(signal.SIGTERM)
+  return communicate(procs, 600)
 
 
 @pytest.mark.slow
-def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path):
-  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS,
-                        f"--config.run_dir={tmp_path / 'one'}"], env=_env(8), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
-  assert one.returncode == 0, one.stdout + one.stderr
+def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path, one_process):
   outs = communicate(_start(tmp_path / "two"), 600)
   assert "processes [0] generate on their 4 devices" in outs[1], outs[1]
   assert "wrote " in outs[1] and "wrote " not in outs[0], outs
 
-  base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+  base, rows = _rows(one_process), _rows(tmp_path / "two")
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
@@ -62,7 +78,7 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
   assert same_metrics(base, rows) > 150
   # Validation ran on the train processes (steps 2 and 4), with the one-process accuracy.
   assert [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "two", "val")] == \
-      [(r["step"], r["val/accuracy"]) for r in _rows(tmp_path / "one", "val")]
+      [(r["step"], r["val/accuracy"]) for r in _rows(one_process, "val")]
 
   # The rollout process never waits for a step it does not need: batch s (version s - 1) starts
   # after step s - 1 and before step s ends. Step s trains batch s - 1 meanwhile (their spans
@@ -78,16 +94,33 @@ def test_rollout_process_and_train_process_match_one_colocated_process(tmp_path)
   # which checkpoints both sides' way (the rollout process takes part in the save) and stops;
   # both exit 0, and the same command again resumes and writes the uninterrupted run's metrics.
   run = tmp_path / "term"
-  procs = _start(run)
-  deadline = time.monotonic() + 300
-  while not ((run / "metrics.jsonl").exists() and len(_rows(run)) >= 1):
-    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-    time.sleep(0.05)
-  procs[0].send_signal(signal.SIGTERM)
-  outs = communicate(procs, 600)
+  outs = _sigterm_after_first_step(run, _start(run), 0)
   assert "stopped by signal after step" in outs[1], outs[1]
   stopped = len(_rows(run))
   assert 1 <= stopped < 4, outs[1]
   outs = communicate(_start(run), 600)
   assert f"resumed at step {stopped}" in outs[1], outs[1]
+  assert same_metrics(rows, _rows(run)) > 150
+
+
+@pytest.mark.slow
+def test_two_rollout_processes_make_a_batch_between_them(tmp_path, one_process):
+  """3 processes x 4 devices: processes 0 and 1 generate, each its half of every batch's groups
+  on its own devices (each receives the whole params from the train process), process 2 trains.
+  The per-step metrics are still the one colocated process's; SIGTERM to the second rollout
+  process makes all three checkpoint and exit 0, and the rerun resumes exactly."""
+  outs = communicate(_start(tmp_path / "three", 3, "0,1"), 600)
+  assert "processes [0, 1] generate on their 8 devices (a 4x1x1 mesh each)" in outs[2], outs[2]
+  assert "wrote " in outs[2] and not any("wrote " in o for o in outs[:2]), outs
+  rows = _rows(tmp_path / "three")
+  assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
+  assert same_metrics(_rows(one_process), rows) > 150
+
+  run = tmp_path / "term"
+  outs = _sigterm_after_first_step(run, _start(run, 3, "0,1"), 1)
+  assert "stopped by signal after step" in outs[2], outs[2]
+  stopped = len(_rows(run))
+  assert 1 <= stopped < 4, outs[2]
+  outs = communicate(_start(run, 3, "0,1"), 600)
+  assert f"resumed at step {stopped}" in outs[2], outs[2]
   assert same_metrics(rows, _rows(run)) > 150

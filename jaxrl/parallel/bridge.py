@@ -1,27 +1,30 @@
 """Disaggregated across processes: what crosses between the train processes and the rollout
-process (`mesh.rollout_processes`).
+processes (`mesh.rollout_processes`).
 
 The two sides run different loops (`jaxrl.pipeline.remote`) and launch different programs, each
 on its own devices, except one: publishing a params version, `ParamsBridge`, the only program
 that spans both sides, which both launch once per version in version order (the train side
-right after the step that made it, the rollout side's receiver thread as soon as the train side
-says it is launched). It moves the params shard by shard over a mesh of both sides' devices:
+right after the step that made it, each rollout process's receiver thread as soon as the train
+side says it is launched). It moves the params shard by shard over a mesh of both sides' devices:
 
 1. train side (its own program): every leaf cast to the wire dtype, flattened and concatenated
-   into one buffer per dtype, cut into T x R blocks (T train devices, R rollout devices), train
-   device j holding row j (R blocks: the ones each rollout device gets from it);
+   into one buffer, cut into T x R blocks (T train devices, R devices of each rollout process),
+   train device j holding row j (R blocks: the ones device i of a rollout process gets from it);
 2. both sides: a `shard_map` over the union mesh (train devices, then rollout devices) whose
-   `ppermute` rounds send block (j, i) from train device j to rollout device i (max(T, R) rounds,
-   each a matching: no device sends or receives twice in a round);
-3. rollout side (its own program): rollout device i now holds column i; one local program puts
-   the columns back in order and lays the leaves out on the rollout mesh by the parameter rules,
-   in the samplers' dtype.
+   `ppermute` rounds send block (j, i) from train device j to device i of every rollout process
+   (max(T, R) rounds per rollout process, each a matching: no device sends or receives twice in
+   a round);
+3. each rollout process (its own program): its device i now holds column i; one local program
+   puts the columns back in order and lays the leaves out on its rollout mesh by the parameter
+   rules, in the samplers' dtype.
 
-No device or host ever holds the params whole on the way (each rollout device receives 1/R of
-them, then the rollout mesh's own layout decides what each keeps), and nothing goes through a
-host. Rollout rows, metrics-sized host data, go the other way through the coordination service's
-key-value store (`Channel`): small, and host data anyway (the data plane's metadata and the
-rewards are computed on the host), so no device program has to be ordered against the publish.
+Here T is the train devices and R each rollout process's devices: every rollout process gets the
+whole params (it generates on its own). No device or host ever holds the params whole on the way
+(each rollout device receives 1/R of them, then its mesh's own layout decides what it keeps),
+and nothing goes through a host. Rollout rows, metrics-sized host data, go the other way
+through the coordination service's key-value store (`Channel`): small, and host data anyway (the
+data plane's metadata and the rewards are computed on the host), so no device program has to be
+ordered against the publish.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import functools
 import io
 import json
-import time
 from collections.abc import Callable
 
 import jax
@@ -125,65 +127,77 @@ def unpack(data: bytes) -> tuple[dict, dict]:
   return arrays, header
 
 
-def _rounds(T: int, R: int):
-  """The ppermute rounds of the T x R block exchange: round c pairs train j with rollout
-  (c - j) mod max(T, R), when that is < R (a matching, every pair in exactly one round)."""
+def _rounds(T: int, R: int, K: int = 1):
+  """The ppermute rounds of the block exchange to K rollout groups of R devices each (union
+  index T + k * R + i): for each group k, round c pairs train j with that group's device
+  (c - j) mod max(T, R), when that is < R. Each round is a matching, and every (train device,
+  rollout device) pair is in exactly one round."""
   m = max(T, R)
-  return [[(j, T + (c - j) % m) for j in range(T) if (c - j) % m < R] for c in range(m)]
+  return [[(j, T + k * R + (c - j) % m) for j in range(T) if (c - j) % m < R]
+          for k in range(K) for c in range(m)]
 
 
 class ParamsBridge:
-  """Publishes params versions from the train devices to the rollout devices (module docstring).
+  """Publishes params versions from the train devices to every rollout process's devices
+  (module docstring).
 
-  `template`: the params tree (arrays or ShapeDtypeStructs; shapes and dtypes, the same on both
-  sides), `wire`: the dtype they travel in (the narrower of the trainer's and the samplers'),
-  `out`: the samplers' dtype (None: as they travel). The train side calls `send(params)`, the
-  rollout side `receive(shardings)`, once per version each, in the same order.
+  `rollout_groups`: the devices of each rollout process (the same number each), in the order
+  of the processes; each group receives the whole params. `template`: the params tree (arrays or
+  ShapeDtypeStructs; shapes and dtypes, the same on both sides), `wire`: the dtype they travel in
+  (the narrower of the trainer's and the samplers'), `out`: the samplers' dtype (None: as they
+  travel). The train side calls `send(params)`, each rollout process `receive(shardings)`, once
+  per version each, in the same order; `transfer` runs both sides where one process holds every
+  device.
   """
 
-  def __init__(self, train_devices, rollout_devices, template, wire, out=None):
+  def __init__(self, train_devices, rollout_groups, template, wire, out=None):
     self.train = list(train_devices)
-    self.rollout = list(rollout_devices)
-    self.T, self.R = len(self.train), len(self.rollout)
+    self.groups = [list(g) for g in rollout_groups]
+    if not self.groups or len({len(g) for g in self.groups}) != 1 or not self.groups[0]:
+      raise ValueError(f"ParamsBridge: rollout groups must be non-empty and equal in size, got "
+                       f"{[len(g) for g in self.groups]}")
+    self.T, self.R, self.K = len(self.train), len(self.groups[0]), len(self.groups)
     leaves, self.treedef = jax.tree.flatten(template)
     self.shapes = [tuple(x.shape) for x in leaves]
     self.sizes = [int(np.prod(s)) for s in self.shapes]
     self.wire = jnp.dtype(wire)
     self.out = None if out is None else jnp.dtype(out)
     total = sum(self.sizes)
-    blocks = self.T * self.R
-    self.block = max(1, -(-total // blocks))
+    self.block = max(1, -(-total // (self.T * self.R)))
     self.total = total
+    self.rollout = [d for g in self.groups for d in g]
     self.union = Mesh(np.asarray(self.train + self.rollout, dtype=object), ("u",))
     self.train_line = Mesh(np.asarray(self.train, dtype=object), ("u",))
-    self.rollout_line = Mesh(np.asarray(self.rollout, dtype=object), ("u",))
-    self._placeholder = None
+    self._placeholder: dict = {}
 
   @property
   def wire_bytes(self) -> int:
-    """Bytes each version moves between the sides (the padded buffer)."""
-    return self.T * self.R * self.block * self.wire.itemsize
+    """Bytes each version moves between the sides (the padded buffer, once per rollout
+    process)."""
+    return self.K * self.T * self.R * self.block * self.wire.itemsize
 
   # -- the program both sides launch --------------------------------------------------------------
 
   @functools.cached_property
   def _exchange(self):
-    T, R, b = self.T, self.R, self.block
-    rounds = _rounds(T, R)
+    T, R, K, b = self.T, self.R, self.K, self.block
+    rounds = _rounds(T, R, K)
     m = max(T, R)
 
     def body(x):  # x: [1, R, b], this device's row (train) or a placeholder (rollout)
       i = jax.lax.axis_index("u")
+      mine = (i - T) % R  # a rollout device's index in its group
       out = jnp.zeros((1, T, b), x.dtype)
-      for c, pairs in enumerate(rounds):
+      for r, pairs in enumerate(rounds):
         if not pairs:
           continue
+        k, c = divmod(r, m)
         send = jax.lax.dynamic_index_in_dim(x[0], jnp.clip((c - i) % m, 0, R - 1), 0,
                                             keepdims=False)
         got = jax.lax.ppermute(send, "u", pairs)
-        slot = jnp.clip((c - (i - T)) % m, 0, T - 1)
+        slot = jnp.clip((c - mine) % m, 0, T - 1)
         placed = jax.lax.dynamic_update_index_in_dim(out[0], got, slot, 0)[None]
-        receives = (i >= T) & ((c - (i - T)) % m < T)
+        receives = (i >= T + k * R) & (i < T + (k + 1) * R) & ((c - mine) % m < T)
         out = jnp.where(receives, placed, out)
       return out
 
@@ -192,13 +206,20 @@ class ParamsBridge:
   def _run(self, shards: list) -> jax.Array:
     """The exchange on the union-mesh array made of this process's `shards` (in union order)."""
     x = jax.make_array_from_single_device_arrays(
-        (self.T + self.R, self.R, self.block), NamedSharding(self.union, PartitionSpec("u")),
-        shards)
+        (self.T + self.K * self.R, self.R, self.block),
+        NamedSharding(self.union, PartitionSpec("u")), shards)
     return self._exchange(x)
 
   def _mine(self, devices) -> list:
     me = jax.process_index()
     return [d for d in devices if d.process_index == me]
+
+  def _placeholders(self, devices) -> list:
+    """What rollout devices feed the exchange: never read, made once."""
+    for d in devices:
+      if d not in self._placeholder:
+        self._placeholder[d] = jax.device_put(np.zeros((1, self.R, self.block), self.wire), d)
+    return [self._placeholder[d] for d in devices]
 
   # -- train side ----------------------------------------------------------------------------------
 
@@ -214,24 +235,27 @@ class ParamsBridge:
     return jax.jit(pack_leaves,
                    out_shardings=NamedSharding(self.train_line, PartitionSpec("u")))
 
-  def send(self, params) -> None:
-    """The train side's part of publishing `params` (launched, not waited for)."""
+  def _rows(self, params) -> dict:
     leaves, treedef = jax.tree.flatten(params)
     if treedef != self.treedef:  # the blocks are cut in leaf order: both sides must agree on it
       raise ValueError(f"ParamsBridge.send: params tree {treedef} is not the template's "
                        f"{self.treedef}")
     rows = self._pack(leaves)
-    by_device = {s.device: s.data for s in rows.addressable_shards}
+    return {s.device: s.data for s in rows.addressable_shards}
+
+  def send(self, params) -> None:
+    """The train side's part of publishing `params` (launched, not waited for)."""
+    by_device = self._rows(params)
     self._run([by_device[d] for d in self._mine(self.train)])
 
   # -- rollout side --------------------------------------------------------------------------------
 
-  def _post(self, shardings):
+  def _post(self, group: int, shardings):
     n = self.total
     sizes, shapes, out = self.sizes, self.shapes, self.out
     treedef = self.treedef
 
-    def unpack_columns(cols):  # cols: [R, T, b], column i on rollout device i
+    def unpack_columns(cols):  # cols: [R, T, b], column i on the group's device i
       flat = cols.transpose(1, 0, 2).reshape(-1)[:n]
       leaves, at = [], 0
       for size, shape in zip(sizes, shapes):
@@ -242,23 +266,40 @@ class ParamsBridge:
 
     return jax.jit(unpack_columns, out_shardings=shardings)
 
-  def receive(self, shardings):
-    """The rollout side's part of publishing a version: the params, laid out by `shardings` (a
-    tree like the template's, on the rollout mesh)."""
-    mine = self._mine(self.rollout)
-    if self._placeholder is None:  # what this side feeds the exchange: never read, kept
-      self._placeholder = [jax.device_put(np.zeros((1, self.R, self.block), self.wire), d)
-                           for d in mine]
-    got = self._run(list(self._placeholder))
+  def _unpack(self, got: jax.Array, group: int, shardings):
+    """Group `group`'s columns of the exchange's output as params laid out by `shardings`."""
+    devices = self.groups[group]
     by_device = {s.device: s.data for s in got.addressable_shards}
+    line = Mesh(np.asarray(devices, dtype=object), ("u",))
     cols = jax.make_array_from_single_device_arrays(
-        (self.R, self.T, self.block), NamedSharding(self.rollout_line, PartitionSpec("u")),
-        [by_device[d] for d in mine])
-    key = tuple(jax.tree.leaves(shardings))
+        (self.R, self.T, self.block), NamedSharding(line, PartitionSpec("u")),
+        [by_device[d] for d in devices])
+    key = (group, tuple(jax.tree.leaves(shardings)))
     post = self._posts.get(key)
     if post is None:
-      post = self._posts[key] = self._post(shardings)
+      post = self._posts[key] = self._post(group, shardings)
     return post(cols)
+
+  def group_of(self, process: int) -> int:
+    """The rollout group of `process` (ValueError when it holds no rollout device)."""
+    for k, g in enumerate(self.groups):
+      if any(d.process_index == process for d in g):
+        return k
+    raise ValueError(f"process {process} holds no rollout device of this bridge")
+
+  def receive(self, shardings):
+    """A rollout process's part of publishing a version: the params, laid out by `shardings` (a
+    tree like the template's, on this process's rollout mesh)."""
+    group = self.group_of(jax.process_index())
+    got = self._run(self._placeholders(self._mine(self.rollout)))
+    return self._unpack(got, group, shardings)
+
+  def transfer(self, params, shardings: list) -> list:
+    """Both sides of one publish where this process holds every device (one process: tests and
+    benchmarks of the exchange): `shardings[k]` lays out group k's copy; returns the K copies."""
+    by_device = self._rows(params)
+    got = self._run([by_device[d] for d in self.train] + self._placeholders(self.rollout))
+    return [self._unpack(got, k, sh) for k, sh in enumerate(shardings)]
 
   @functools.cached_property
   def _posts(self) -> dict:

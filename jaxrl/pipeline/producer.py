@@ -390,29 +390,41 @@ class RolloutProducer:
     attempts run in parallel too); `env/failed/*`, dropped groups and the counters add up."""
     if item.local is None:
       return item
-    mine = {"meta": item.meta.to_json(), "time": item.sample_time_s,
-            "info": {k: json_num(v) for k, v in item.info.items()},
-            "sums": item.local.sums, "counts": item.local.counts}
-    every = parallel.distributed.allgather_json(mine)
+    every = parallel.distributed.allgather_json(part_json(item))
     every = [every[q] for q in sorted(range(len(every)), key=lambda q: self.share.starts[q])]
-    metas = [BatchMeta.from_json(e["meta"]) for e in every]
-    meta = metas[0].concat(*metas[1:])
-    info: dict = {}
-    sums: dict = {}
-    counts: dict = {}
-    for e in every:
-      for k, v in e["info"].items():
-        v = from_json_num(v)
-        info[k] = max(info.get(k, v), v) if k in _MOST else info.get(k, 0) + v
-      for k, (s, n) in e["sums"].items():
-        got = sums.setdefault(k, [0.0, 0])
-        got[0] += s
-        got[1] += n
-      for k, n in e["counts"].items():
-        counts[k] = counts.get(k, 0) + n
-    info.update(_means(sums))
+    meta, info, counts, took = combine(every)
     self.parts.data.put(meta, item.local.arrays, rows="local")
-    return RingItem(meta, item.submit_version, max(e["time"] for e in every), info, counts)
+    return RingItem(meta, item.submit_version, took, info, counts)
+
+
+def part_json(item: RingItem) -> dict:
+  """A process-local `item` as JSON: what `combine` joins."""
+  return {"meta": item.meta.to_json(), "time": item.sample_time_s,
+          "info": {k: json_num(v) for k, v in item.info.items()},
+          "sums": item.local.sums, "counts": item.local.counts}
+
+
+def combine(every: list[dict]) -> tuple[BatchMeta, dict, dict, float]:
+  """One batch from the parts several processes made of it (`part_json`, in row order): its
+  rows' metadata, its metrics, its counters and its sampling time (the slowest part's: they ran
+  in parallel). `env/calls` and `dynamic_sampling/num_gen_batches` are the most any part made
+  (`_MOST`), reward components the means over every part's rows, the rest add up."""
+  metas = [BatchMeta.from_json(e["meta"]) for e in every]
+  info: dict = {}
+  sums: dict = {}
+  counts: dict = {}
+  for e in every:
+    for k, v in e["info"].items():
+      v = from_json_num(v)
+      info[k] = max(info.get(k, v), v) if k in _MOST else info.get(k, 0) + v
+    for k, (total, n) in e["sums"].items():
+      got = sums.setdefault(k, [0.0, 0])
+      got[0] += total
+      got[1] += n
+    for k, n in e["counts"].items():
+      counts[k] = counts.get(k, 0) + n
+  info.update(_means(sums))
+  return metas[0].concat(*metas[1:]), info, counts, max(e["time"] for e in every)
 
 
 # Per-batch counts that `globalize` takes the processes' maximum of (the rest add up).

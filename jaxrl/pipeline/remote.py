@@ -24,6 +24,8 @@ side finished: the rollout process returns).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -32,11 +34,10 @@ import jax
 import numpy as np
 
 from jaxrl import metrics as metrics_lib
-from jaxrl.loop_state import from_json_num, json_num
 from jaxrl.parallel import bridge as bridge_lib
-from jaxrl.pipeline.data_plane import BatchMeta
 from jaxrl.pipeline.handoff import ParamsHandoff
-from jaxrl.pipeline.producer import LocalRows, RingItem, RolloutProducer
+from jaxrl.pipeline.producer import (LocalRows, ProcessShare, RingItem, RolloutProducer, combine,
+                                     part_json)
 from jaxrl.pipeline.worker import params_version
 from jaxrl.rollout.precision import rollout_dtype
 
@@ -47,6 +48,34 @@ def sides(mesh_shape) -> tuple[list, list]:
   devices = jax.devices()
   return ([d for d in devices if d.process_index not in procs],
           [d for d in devices if d.process_index in procs])
+
+
+def rollout_groups(mesh_shape) -> list[list]:
+  """Each rollout process's devices, in process order (the order of a batch's parts)."""
+  rollout = sides(mesh_shape)[1]
+  return [[d for d in rollout if d.process_index == q]
+          for q in sorted(mesh_shape.rollout_processes)]
+
+
+def rollout_rank(mesh_shape, process: int | None = None) -> int:
+  """`process`'s place among the rollout processes (this process's by default)."""
+  process = jax.process_index() if process is None else process
+  return sorted(mesh_shape.rollout_processes).index(process)
+
+
+def rollout_share(parts, mesh_shape) -> ProcessShare | None:
+  """What this rollout process makes of every batch: with K rollout processes, the k-th run of
+  P / K whole groups (the rows a one-process run gives them, the same keys: `RolloutProducer`
+  with a `ProcessShare`); None with one rollout process, which makes whole batches exactly as one
+  process does."""
+  k, K = rollout_rank(mesh_shape), len(mesh_shape.rollout_processes)
+  if K == 1:
+    return None
+  P, G = parts.cfg.rollout.num_prompts, parts.cfg.rollout.group_size
+  each = P // K
+  return ProcessShare(k, k * each, each, parts.data.num_row_shards(),
+                      tuple(q * each * G for q in range(K)), parts.rollout_mesh,
+                      parts.rollout_mesh, rollout_dtype(parts.cfg))
 
 
 def train_mesh(mesh_shape):
@@ -74,8 +103,7 @@ def wire_dtype(cfg, template):
 
 def make_bridge(parts, mesh_shape, template) -> bridge_lib.ParamsBridge:
   """The params bridge of a run (the same on both sides: `template` has the params' shapes)."""
-  train, rollout = sides(mesh_shape)
-  return bridge_lib.ParamsBridge(train, rollout, template, wire_dtype(parts.cfg, template),
+  return bridge_lib.ParamsBridge(sides(mesh_shape)[0], rollout_groups(mesh_shape), template, wire_dtype(parts.cfg, template),
                                  rollout_dtype(parts.cfg))
 
 
@@ -86,32 +114,38 @@ def horizon(steps: int, lag: int) -> int:
 
 
 class Receiver:
-  """The train side's producer (see the module docstring): `produce` waits for batch b's rows,
-  `globalize` puts them in the data plane; `encode`/`target`/`decode` are the one-process
-  producer's (checkpoints hold the same ring), and `state_dict` is the rollout process's producer
-  state after the newest batch received (what it resumes from)."""
+  """The train side's producer (see the module docstring): `produce` waits for batch b's parts
+  (one per rollout process) and joins them, `globalize` puts the rows in the data plane;
+  `encode`/`target`/`decode` are the one-process producer's (checkpoints hold the same ring), and
+  `state_dict` is the rollout processes' producer state after the newest batch received (what
+  they resume from: the same on each, since each draws the same prompt stream)."""
 
-  def __init__(self, parts, channel: bridge_lib.Channel):
-    self.parts, self.channel = parts, channel
+  def __init__(self, parts, channel: bridge_lib.Channel, rollout_processes: int = 1):
+    self.parts, self.channel, self.K = parts, channel, rollout_processes
     self.codec = RolloutProducer(parts, None)
     self.remote_state: dict | None = None
     self.should_stop = lambda: False
 
   def produce(self, batch_id: int, params, version: int) -> RingItem:
     del params
-    data = self.channel.take_bytes(f"rows/{batch_id}/{jax.process_index()}", self.should_stop)
-    arrays, head = bridge_lib.unpack(data)
-    if head["submit_version"] != version:
-      raise RuntimeError(f"batch {batch_id} was generated with params version "
-                         f"{head['submit_version']}, expected {version}")
-    self.remote_state = head["producer"]
-    # The rows the rollout process's draws skipped so far (`data/skipped/<reason>`).
-    self.parts.source.skipped.update(head["skipped"])
-    info = {k: from_json_num(v) for k, v in head["info"].items()}
-    info["pipeline/generated_from"] = head["started_at"]
-    info["pipeline/generated_to"] = head["finished_at"]
-    return RingItem(BatchMeta.from_json(head["meta"]), version, head["sample_time_s"], info,
-                    head["counts"], local=LocalRows(arrays, {}, {}))
+    heads, arrays = [], []
+    for k in range(self.K):
+      got, head = bridge_lib.unpack(self.channel.take_bytes(
+          f"rows/{batch_id}/{k}/{jax.process_index()}", self.should_stop))
+      if head["submit_version"] != version:
+        raise RuntimeError(f"batch {batch_id} was generated with params version "
+                           f"{head['submit_version']}, expected {version} (rollout process "
+                           f"{head['process']})")
+      heads.append(head)
+      arrays.append(got)
+    meta, info, counts, took = combine(heads)
+    self.remote_state = heads[0]["producer"]
+    # The rows the rollout processes' draws skipped so far (`data/skipped/<reason>`).
+    self.parts.source.skipped.update(heads[0]["skipped"])
+    info["pipeline/generated_from"] = min(h["started_at"] for h in heads)
+    info["pipeline/generated_to"] = max(h["finished_at"] for h in heads)
+    joined = {f: np.concatenate([a[f] for a in arrays]) for f in arrays[0]}
+    return RingItem(meta, version, took, info, counts, local=LocalRows(joined, {}, {}))
 
   def globalize(self, item: RingItem) -> RingItem:
     """The rows in the data plane, in this train mesh's length-balanced order (the rollout
@@ -194,7 +228,8 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   quit_saving = threading.Event()
   if ckpt is not None:
     saver = threading.Thread(target=serve_checkpoints, name="checkpoint-mirror",
-                             args=(ckpt, channel, union, quit_saving.is_set), daemon=True)
+                             args=(ckpt, channel, union, quit_saving.is_set,
+                                   rollout_rank(mesh_shape)), daemon=True)
     saver.start()
   try:
     made = _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_stop,
@@ -213,7 +248,8 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
   r = parts.cfg.rollout
   start = json.loads(channel.wait("start", should_stop))
   first, last = start["first_batch"], start["last_batch"]
-  producer = RolloutProducer(parts, parts.train_loop())
+  producer = RolloutProducer(parts, parts.train_loop(), rollout_share(parts, mesh_shape))
+  rank = rollout_rank(mesh_shape)
   if start["producer"] is not None:
     producer.load_state_dict(start["producer"])
   handoff = ParamsHandoff()
@@ -235,7 +271,8 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
   fields = producer.fields
   made = 0
   trainers = train_processes(mesh_shape)
-  progress.say(f"rollout process {jax.process_index()}: making batches {first}..{last} for "
+  me = jax.process_index()
+  progress.say(f"rollout process {me}: making batches {first}..{last} for "
                f"train processes {list(trainers)} (lag {r.lag})")
   try:
     for b in range(first, last + 1):
@@ -254,17 +291,16 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
       handoff.prune_below(v)
       started = time.time()
       item = producer.produce(b, p, v)
-      arrays = {k: np.asarray(x) for k, x in parts.data.get(item.meta, fields).items()}
-      parts.data.discard(item.meta)
-      head = {"meta": item.meta.to_json(), "submit_version": item.submit_version,
-              "sample_time_s": item.sample_time_s, "counts": item.counts,
-              "info": {k: json_num(x) for k, x in item.info.items()},
+      if item.local is None:  # one rollout process: the whole batch, in its data plane
+        arrays = {k: np.asarray(x) for k, x in parts.data.get(item.meta, fields).items()}
+        parts.data.discard(item.meta)
+        item = dataclasses.replace(item, local=LocalRows(arrays, {}, item.counts))
+      head = {**part_json(item), "submit_version": item.submit_version, "process": me,
               "producer": producer.state_dict(), "skipped": dict(parts.source.skipped),
-              "started_at": started,
-              "finished_at": time.time()}
-      data = bridge_lib.pack(arrays, head)
+              "started_at": started, "finished_at": time.time()}
+      data = bridge_lib.pack({k: item.local.arrays[k] for k in fields}, head)
       for q in trainers:
-        channel.put_bytes(f"rows/{b}/{q}", data)
+        channel.put_bytes(f"rows/{b}/{rank}/{q}", data)
       made += 1
     while not should_stop():
       time.sleep(0.2)
@@ -286,14 +322,18 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
 # the train side sends it each operation (`ckpt/<n>`). Restores go the same way.
 
 
-def union_mesh(train_mesh, rollout_devices):
-  """(side, data, fsdp, tensor): side 0 the train mesh, side 1 its size of rollout devices."""
+def union_mesh(train_mesh, rollout_groups):
+  """(side, data, fsdp, tensor): side 0 the train mesh, side 1 its size of rollout devices,
+  taken from each rollout process in turn (`rollout_groups`: each one's devices), so every
+  rollout process holds a shard of every array."""
   from jax.sharding import Mesh
 
   n = train_mesh.devices.size
-  if len(rollout_devices) < n:
-    raise ValueError(f"{len(rollout_devices)} rollout devices cannot mirror a train mesh of {n}")
-  side = np.asarray(list(rollout_devices)[:n], dtype=object).reshape(train_mesh.devices.shape)
+  turns = [d for row in itertools.zip_longest(*rollout_groups) for d in row if d is not None]
+  if len(turns) < n or n < len(rollout_groups):
+    raise ValueError(f"{len(rollout_groups)} rollout processes with {len(turns)} devices cannot "
+                     f"mirror a train mesh of {n}")
+  side = np.asarray(turns[:n], dtype=object).reshape(train_mesh.devices.shape)
   return Mesh(np.stack([train_mesh.devices, side]), ("side", *train_mesh.axis_names))
 
 
@@ -323,17 +363,21 @@ def _describe(tree) -> tuple[object, list]:
 class MirroredCheckpointer:
   """The train side's `Checkpointer` when the rollouts run on processes of their own: the same
   interface; saves and restores go over `union_mesh`, and each is sent to the rollout process
-  first (`serve_checkpoints` runs it there)."""
+  first (`serve_checkpoints` runs it there, on each of the `rollout_processes`)."""
 
-  def __init__(self, inner, channel: bridge_lib.Channel, union, main: bool):
+  def __init__(self, inner, channel: bridge_lib.Channel, union, main: bool,
+               rollout_processes: int = 1):
     self.inner, self.channel, self.union, self.main = inner, channel, union, main
+    self.K = rollout_processes
     self.directory = inner.directory
     self.n = 0
 
   def _tell(self, op: dict) -> None:
     if self.main:
       import pickle
-      self.channel.put_bytes(f"ckpt/{self.n}", pickle.dumps(op))
+      data = pickle.dumps(op)
+      for k in range(self.K):
+        self.channel.put_bytes(f"ckpt/{k}/{self.n}", data)
     self.n += 1
 
   def _lift(self, x):
@@ -375,8 +419,8 @@ class MirroredCheckpointer:
     return getattr(self.inner, name)
 
 
-def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop) -> None:
-  """The rollout process's part of every checkpoint operation the train side sends, in order,
+def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop, rank: int = 0) -> None:
+  """Rollout process `rank`'s part of every checkpoint operation the train side sends, in order,
   until it closes the checkpointer (or `should_stop()` with no operation pending)."""
   import pickle
 
@@ -399,7 +443,7 @@ def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop) -> 
   n = 0
   while True:
     try:
-      op = pickle.loads(channel.take_bytes(f"ckpt/{n}", should_stop))
+      op = pickle.loads(channel.take_bytes(f"ckpt/{rank}/{n}", should_stop))
     except bridge_lib.ChannelClosed:
       return
     n += 1
