@@ -177,15 +177,37 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
                        " train")
   if mesh is None:
     return None
-  if n_r < mesh.size or mesh.size < len(ids):
-    # Checkpoints mirror the train mesh on rollout devices, at least one of each rollout process
-    # (pipeline.remote.union_mesh).
-    problems.append(f"{key}: the rollout processes' {n_r} devices must be at least the train "
-                    f"mesh's {mesh.size}, and the train mesh at least one device per rollout "
-                    f"process ({len(ids)}): each checkpoint lays the train state over both")
+  if mirror_folds((mesh.data, mesh.fsdp, mesh.tensor), n_r, len(ids)) is None:
+    # Checkpoints mirror the train mesh, folded, on rollout devices, at least one of each rollout
+    # process (pipeline.remote.union_mesh).
+    problems.append(f"{key}: no checkpoint layout: the train mesh ({mesh.data}x{mesh.fsdp}x"
+                    f"{mesh.tensor}) folded to a size in [{len(ids)}, {n_r}] (at least one "
+                    f"device per rollout process, at most the rollout processes' {n_r} devices) "
+                    "by dividing its axes: each checkpoint lays the train state over both sides")
     return None
   return dataclasses.replace(mesh, train_devices=num_devices - n_r, rollout_devices=n_r,
                              rollout_tensor=good["mesh.rollout_tensor"], rollout_processes=ids)
+
+
+def mirror_folds(shape: tuple[int, int, int], rollout_devices: int,
+                 rollout_processes: int) -> tuple[int, int, int] | None:
+  """How a checkpoint disaggregated across processes folds the train mesh (`shape`: data, fsdp,
+  tensor) so that its rollout devices can mirror it (`jaxrl.pipeline.remote.union_mesh`): a
+  factor of each axis, the folded mesh (each axis divided by its factor) as large as possible
+  but at most `rollout_devices` and at least `rollout_processes` devices (one of each). (1, 1, 1)
+  when the rollout devices are as many as the train mesh's; None when no fold fits. Folds 'data'
+  first, then 'fsdp', then 'tensor'."""
+  def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+  best, size = None, 0
+  for ft in divisors(shape[2]):
+    for ff in divisors(shape[1]):
+      for fd in divisors(shape[0]):
+        m = shape[0] // fd * (shape[1] // ff) * (shape[2] // ft)
+        if rollout_processes <= m <= rollout_devices and m > size:
+          best, size = (fd, ff, ft), m
+  return best
 
 
 def _resolve_mesh(axes: dict[str, int], num_devices: int, problems: list[str],

@@ -89,6 +89,24 @@ def test_rollout_processes_resolve_to_whole_processes():
   # Several rollout processes (4 x 2 devices): each generates on its own 2-device mesh.
   got = config_lib.validate(_cfg(rollout_processes="0,1", data=-1), 8, num_processes=4)
   assert got == MeshShape(4, 1, 1, 4, 4, 1, (0, 1)) and got.rollout_shape == (2, 1, 1)
+  # Fewer rollout devices than the train mesh's (2 for 6): checkpoints fold the train mesh.
+  cfg = _cfg(rollout_processes="0", data=-1)
+  cfg.val.batch_size, cfg.sft.batch_size, cfg.rollout.num_prompts = 60, 96, 48
+  got = config_lib.validate(cfg, 8, num_processes=4)
+  assert got == MeshShape(6, 1, 1, 6, 2, 1, (0,))
+
+
+@pytest.mark.parametrize("shape, devices, processes, folds", [
+    ((8, 1, 1), 8, 1, (1, 1, 1)),  # as many rollout devices: no fold
+    ((8, 1, 1), 4, 1, (2, 1, 1)),  # 8 train devices mirrored on 4: pairs of neighbours
+    ((6, 1, 1), 2, 1, (3, 1, 1)),
+    ((2, 2, 2), 3, 1, (2, 2, 1)),  # the largest fold within 3 is 2 devices; 'tensor' kept
+    ((1, 4, 2), 4, 2, (1, 2, 1)),  # 'fsdp' folds before 'tensor'
+    ((8, 1, 1), 3, 3, None),  # sizes 1, 2, 4, 8: none in [3, 3]
+    ((2, 1, 1), 6, 3, None),  # a device of each of 3 rollout processes: more than 2
+])
+def test_checkpoint_folds(shape, devices, processes, folds):
+  assert config_lib.mirror_folds(shape, devices, processes) == folds
 
 
 @pytest.mark.parametrize("settings, processes, key, message", [
@@ -99,7 +117,7 @@ def test_rollout_processes_resolve_to_whole_processes():
     # 4 processes x 2 devices, 3 of them rollout processes: a train mesh of 2 devices cannot
     # give each a device in every checkpoint's layout; 128 prompts do not split over 3
     ({"rollout_processes": "0,1,2", "num_prompts": 6}, 4, "config.mesh.rollout_processes",
-     "at least one device per rollout process (3)"),
+     "no checkpoint layout: the train mesh (2x1x1) folded to a size in [3, 6]"),
     ({"rollout_processes": "0,1,2"}, 4, "config.rollout.num_prompts",
      "must split evenly over the 3 rollout processes"),
     # 2 processes x 4 devices: 3 prompts x 2 = 6 rows over the rollout process's 4 row shards
@@ -114,10 +132,6 @@ def test_rollout_processes_resolve_to_whole_processes():
      "only between batches"),
     ({"rollout_processes": "0", "resume": "other/checkpoints/4"}, 2, "config.resume",
      "resumes from its own checkpoints only"),
-    # 4 processes x 2 devices: the rollout process's 2 cannot mirror a train mesh of 6 (the
-    # checkpoint layout)
-    ({"rollout_processes": "0"}, 4, "config.mesh.rollout_processes",
-     "2 devices must be at least the train mesh's 6"),
 ])
 def test_bad_rollout_processes_are_named(settings, processes, key, message, tmp_path):
   settings = dict(settings)

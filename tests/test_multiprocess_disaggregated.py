@@ -124,3 +124,22 @@ def test_two_rollout_processes_make_a_batch_between_them(tmp_path, one_process):
   outs = communicate(_start(run, 3, "0,1"), 600)
   assert f"resumed at step {stopped}" in outs[2], outs[2]
   assert same_metrics(rows, _rows(run)) > 150
+
+
+@pytest.mark.slow
+def test_fewer_rollout_devices_than_the_train_mesh(tmp_path, one_process):
+  """3 processes x 4 devices: process 0 generates on 4 devices for a train mesh of 8 (processes
+  1 and 2), so each checkpoint folds the train mesh in two to mirror it. SIGTERM to the second
+  train process after step 1: all three checkpoint and exit 0; the rerun restores through the
+  same fold, and the whole run's per-step metrics are the one colocated process's."""
+  run = tmp_path / "fold"
+  outs = _sigterm_after_first_step(run, _start(run, 3, "0"), 2)
+  assert "processes [1, 2] train on 8" in outs[1], outs[1]
+  assert "stopped by signal after step" in outs[1], outs[1]
+  stopped = len(_rows(run))
+  assert 1 <= stopped < 4, outs[1]
+  outs = communicate(_start(run, 3, "0"), 600)
+  assert f"resumed at step {stopped}" in outs[1], outs[1]
+  rows = _rows(run)
+  assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
+  assert same_metrics(_rows(one_process), rows) > 150

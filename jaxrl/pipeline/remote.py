@@ -313,28 +313,44 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
 # --- checkpoints --------------------------------------------------------------------------------
 #
 # Orbax saves and restores with every process of a run taking part, and each process must hold a
-# shard of every array it writes. The rollout process holds none of the train state, so the train
-# side saves it as arrays over a mesh of both sides, `union_mesh`: the train mesh's devices, then
-# as many of the rollout process's, the state replicated over the two (no copy: each train device
-# keeps its buffer, each rollout device gets a zero placeholder of its shard's shape, freed after
-# the save). Orbax writes the first replica only (replica-parallel writing off), so the files are
-# the train state's, and the rollout process runs the same save with its placeholders, in order:
-# the train side sends it each operation (`ckpt/<n>`). Restores go the same way.
+# shard of every array it writes. The rollout processes hold none of the train state, so the
+# train side saves it as arrays over a mesh of both sides, `union_mesh`: (side, data, fsdp,
+# tensor), the state sharded by its own specs and replicated over 'side'. Its first rows are the
+# train mesh's devices, its last row rollout devices (a device of each rollout process at least),
+# each holding a zero placeholder of its shard's shape, freed after the save. Orbax writes the
+# first replica only (replica-parallel writing off), so the files are the train state's, and each
+# rollout process runs the same save with its placeholders, in order: the train side sends it
+# each operation (`ckpt/<k>/<n>`). Restores go the same way.
+#
+# With as many rollout devices as the train mesh has, the train mesh is the first row as it is
+# (no copy). With fewer, its axes are folded (`config.mirror_folds`): a fold (fd, ff, ft) lays
+# the train devices out as fd * ff * ft rows of a (data / fd, fsdp / ff, tensor / ft) mesh, and
+# the state is first copied, on the train devices, into that layout (each device holding fd * ff
+# * ft times the shard it trains with, for the save), then mirrored on a row of that many
+# rollout devices. The files are the same either way.
 
 
 def union_mesh(train_mesh, rollout_groups):
-  """(side, data, fsdp, tensor): side 0 the train mesh, side 1 its size of rollout devices,
-  taken from each rollout process in turn (`rollout_groups`: each one's devices), so every
-  rollout process holds a shard of every array."""
+  """(side, data, fsdp, tensor): the train mesh (folded into rows where the rollout devices are
+  fewer, see above), then a row of rollout devices taken from each rollout process in turn
+  (`rollout_groups`: each one's devices)."""
   from jax.sharding import Mesh
 
-  n = train_mesh.devices.size
+  from jaxrl import config as config_lib
+
+  shape = train_mesh.devices.shape
   turns = [d for row in itertools.zip_longest(*rollout_groups) for d in row if d is not None]
-  if len(turns) < n or n < len(rollout_groups):
+  folds = config_lib.mirror_folds(shape, len(turns), len(rollout_groups))
+  if folds is None:
     raise ValueError(f"{len(rollout_groups)} rollout processes with {len(turns)} devices cannot "
-                     f"mirror a train mesh of {n}")
-  side = np.asarray(turns[:n], dtype=object).reshape(train_mesh.devices.shape)
-  return Mesh(np.stack([train_mesh.devices, side]), ("side", *train_mesh.axis_names))
+                     f"mirror a train mesh of shape {shape}")
+  small = tuple(n // f for n, f in zip(shape, folds))
+  # Device (i, j, k) of the train mesh: row (i % fd, j % ff, k % ft) of the folds, position
+  # (i // fd, j // ff, k // ft) in the folded mesh (neighbours fold together).
+  grid = train_mesh.devices.reshape(small[0], folds[0], small[1], folds[1], small[2], folds[2])
+  rows = grid.transpose(1, 3, 5, 0, 2, 4).reshape(-1, *small)
+  side = np.asarray(turns[:int(np.prod(small))], dtype=object).reshape(small)
+  return Mesh(np.concatenate([rows, side[None]]), ("side", *train_mesh.axis_names))
 
 
 def use_first_replica_writes() -> None:
@@ -380,12 +396,24 @@ class MirroredCheckpointer:
         self.channel.put_bytes(f"ckpt/{k}/{self.n}", data)
     self.n += 1
 
+  @property
+  def _train_rows(self):
+    """The union mesh's train rows (the train mesh, folded where it must be) as a mesh."""
+    from jax.sharding import Mesh
+
+    return Mesh(self.union.devices[:-1], self.union.axis_names)
+
+  def _folded(self) -> bool:
+    return self.union.devices.shape[0] > 2
+
   def _lift(self, x):
     from jax.sharding import NamedSharding, PartitionSpec
 
-    on = NamedSharding(self.union, PartitionSpec(*_spec_of(x)))
+    spec = PartitionSpec(*_spec_of(x))
+    if self._folded():  # a copy into the folded layout, on the train devices
+      x = jax.device_put(x, NamedSharding(self._train_rows, spec))
     return jax.make_array_from_single_device_arrays(
-        x.shape, on, [s.data for s in x.addressable_shards])
+        x.shape, NamedSharding(self.union, spec), [s.data for s in x.addressable_shards])
 
   def save(self, step: int, state, host: dict, *, force: bool = False) -> bool:
     treedef, leaves = _describe(state)
@@ -405,9 +433,12 @@ class MirroredCheckpointer:
 
     def lower(x, like):
       mine = {s.device: s.data for s in x.addressable_shards}
-      order = like.sharding.addressable_devices_indices_map(tuple(x.shape))
-      return jax.make_array_from_single_device_arrays(x.shape, like.sharding,
-                                                      [mine[d] for d in order])
+      on = like.sharding
+      if self._folded():  # the folded layout first, then copied into the train mesh's
+        on = NamedSharding(self._train_rows, PartitionSpec(*_spec_of(like)))
+      order = on.addressable_devices_indices_map(tuple(x.shape))
+      got = jax.make_array_from_single_device_arrays(x.shape, on, [mine[d] for d in order])
+      return jax.device_put(got, like.sharding) if self._folded() else got
 
     return jax.tree.map(lower, state, target), host
 
@@ -426,7 +457,7 @@ def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop, ran
 
   from jax.sharding import NamedSharding, PartitionSpec
 
-  mine = [d for d in union.devices[1].flat if d.process_index == jax.process_index()]
+  mine = [d for d in union.devices[-1].flat if d.process_index == jax.process_index()]
 
   def placeholders(leaves, treedef, abstract: bool):
     out = []
