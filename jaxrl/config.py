@@ -141,9 +141,6 @@ def _resolve_process_split(good: dict[str, Any], num_devices: int, num_processes
     if good[other]:
       bad.append(f"{PREFIX}{other}: must be 0 with {key} (whole processes decide the split), "
                  f"got {good[other]!r}")
-  if good.get("rollout.partial_rollouts"):
-    bad.append(f"{PREFIX}rollout.partial_rollouts: not with {key}: the rollout processes get a "
-               "params version only between batches")
   resume, run_dir = good.get("resume"), good.get("run_dir")
   if resume not in (None, "auto", "none") and run_dir:
     # Both sides take part in the restore of their own run's checkpoints (`pipeline.remote`).

@@ -134,10 +134,6 @@ CASES = [
     # the continuous engine runs on each process's own devices, not where batches are inline
     ("rollout_processes_on_one_process", ["--config.mesh.rollout_processes=0"],
      ["mesh.rollout_processes"], "the run has one process"),
-    ("rollout_processes_with_partial_rollouts",
-     [*MULTI, "--config.mesh.rollout_processes=0", "--config.rollout.engine=continuous",
-      "--config.rollout.partial_rollouts=true", "--config.rollout.lag=1"],
-     ["rollout.partial_rollouts"], "the rollout processes get a params version only between"),
     ("engine_with_several_processes_disaggregated",
      [*MULTI, "--config.rollout.engine=continuous", "--config.mesh.rollout=4"],
      ["rollout.engine"], "config.mesh.rollout > 0 (disaggregated)"),

@@ -128,8 +128,6 @@ def test_checkpoint_folds(shape, devices, processes, folds):
     ({"rollout_processes": "0", "rollout": 2}, 2, "config.mesh.rollout", "must be 0 with"),
     ({"rollout_processes": "0", "rollout_tensor": 3}, 2, "config.mesh.rollout_tensor",
      "must divide the rollout process's 4 devices"),
-    ({"rollout_processes": "0", "partial_rollouts": True}, 2, "config.rollout.partial_rollouts",
-     "only between batches"),
     ({"rollout_processes": "0", "resume": "other/checkpoints/4"}, 2, "config.resume",
      "resumes from its own checkpoints only"),
 ])
@@ -137,9 +135,6 @@ def test_bad_rollout_processes_are_named(settings, processes, key, message, tmp_
   settings = dict(settings)
   cfg = _cfg(data=-1)
   cfg.mesh.rollout_processes = settings.pop("rollout_processes")
-  cfg.rollout.partial_rollouts = settings.pop("partial_rollouts", False)
-  if cfg.rollout.partial_rollouts:
-    cfg.rollout.engine = "continuous"
   if "resume" in settings:  # another run's checkpoint step, which exists
     (tmp_path / settings["resume"]).mkdir(parents=True)
     cfg.run_dir, cfg.resume = str(tmp_path / "mine"), str(tmp_path / settings.pop("resume"))

@@ -34,10 +34,57 @@ def _rows(path, phase="rl") -> list[dict]:
     return [r for r in map(json.loads, f) if r.get("phase") == phase]
 
 
-def _start(run_dir, processes: int = 2, rollout: str = "0") -> list[subprocess.Popen]:
+# `python -m jaxrl.train` with partial rollouts made deterministic: batches 1..3 (the ones made
+# after the first step) switch params after their first decode dispatch (one token each), waiting
+# there for the next version, which the train side publishes after the step that consumes the
+# batch before. So every row's first token is one update stale and the rest are fresh, whatever
+# process generates it. (`samplers.partial_source` is the documented seam for this.)
+GATED = r"""
+import sys, threading, time
+from jaxrl import train
+from jaxrl.pipeline import producer as producer_lib
+from jaxrl.rollout import samplers
+
+here = threading.local()
+produce = producer_lib.RolloutProducer.produce
+
+def recording(self, batch_id, params, version):
+  here.batch = batch_id
+  try:
+    return produce(self, batch_id, params, version)
+  finally:
+    here.batch = None
+
+def gated(newest, version, params):
+  calls, b = [], getattr(here, "batch", None)
+
+  def source():
+    calls.append(1)
+    if b is None or not 1 <= b <= 3 or len(calls) < 2:
+      return version, params
+    deadline = time.monotonic() + 300
+    while (newest() or (-1, None))[0] <= version:
+      assert time.monotonic() < deadline, f"batch {b}: no params newer than {version}"
+      time.sleep(0.01)
+    return newest()
+
+  return source
+
+producer_lib.RolloutProducer.produce = recording
+samplers.partial_source = gated
+sys.argv = ["jaxrl.train", *sys.argv[1:]]
+train.run()
+"""
+PARTIAL = ["--config.rollout.engine=continuous", "--config.rollout.partial_rollouts=true",
+           "--config.rollout.engine_steps=1"]
+
+
+def _start(run_dir, processes: int = 2, rollout: str = "0",
+           program: list[str] | None = None, extra=()) -> list[subprocess.Popen]:
   port = free_port()
+  program = program or ["-m", "jaxrl.train"]
   return [subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.train", *ARGS, f"--config.mesh.rollout_processes={rollout}",
+      [sys.executable, *program, *ARGS, *extra, f"--config.mesh.rollout_processes={rollout}",
        f"--config.run_dir={run_dir}"],
       env=_env(4, WORLD_SIZE=str(processes), RANK=str(i), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port)),
@@ -143,3 +190,24 @@ def test_fewer_rollout_devices_than_the_train_mesh(tmp_path, one_process):
   rows = _rows(run)
   assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
   assert same_metrics(_rows(one_process), rows) > 150
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_a_rollout_process(tmp_path):
+  """The continuous engine with partial rollouts on the rollout process: a batch starts on its
+  forced-lag version and switches to the newest one joined (deterministically here, `GATED`), the
+  tokens stamped with the version that made them; the per-step metrics are one colocated
+  process's with the same switches, staleness included."""
+  one = subprocess.run([sys.executable, "-c", GATED, *ARGS, *PARTIAL,
+                        f"--config.run_dir={tmp_path / 'one'}"], env=_env(8), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stdout + one.stderr
+  communicate(_start(tmp_path / "two", program=["-c", GATED], extra=PARTIAL), 600)
+  base, rows = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+  assert [r["staleness/first_token/max"] for r in rows] == [0, 1, 1, 1]
+  assert [r["staleness/first_token/min"] for r in rows] == [0, 1, 1, 1]
+  # Partial rollouts happened: rows of steps 2..4 end on the params of the step before (tokens
+  # of two versions in one row, each stamped with its own).
+  assert [r["staleness/last_token/min"] for r in rows] == [0, 0, 0, 0]
+  assert all(0 < r["staleness/token_mean/mean"] < 1 for r in rows[1:]), rows
+  assert same_metrics(base, rows) > 150

@@ -1,25 +1,28 @@
-"""Disaggregated across processes (`mesh.rollout_processes`): a rollout process that only
-generates, train processes that only train.
+"""Disaggregated across processes (`mesh.rollout_processes`): rollout processes that only
+generate, train processes that only train.
 
-The rollout process runs `serve`, not the training loop: a receiver thread joins every params
-version the train side publishes (`jaxrl.parallel.bridge.ParamsBridge`, the one program both
-sides launch, in version order), and its main thread makes batches 0, 1, 2, ... with the forced-lag
-version of each, `params_version(b, L)`, on its own devices, exactly as the one-process
-`RolloutProducer` does (the same prompt stream, request ids, group ids, dynamic sampling), then
-sends each batch's rows to the train side. It never waits for a train step it does not need: it
-starts batch b as soon as version b - L is published.
+Each rollout process runs `serve`, not the training loop: a receiver thread joins every params
+version the train side publishes (`jaxrl.parallel.bridge.ParamsBridge`, the one program every
+process launches, in version order), and its main thread makes batches 0, 1, 2, ... with the
+forced-lag version of each, `params_version(b, L)`, on its own devices, exactly as the
+one-process `RolloutProducer` does (the same prompt stream, request ids, group ids, dynamic
+sampling), then sends each batch's rows to the train side. With K rollout processes, process k
+makes the k-th run of P / K whole groups of every batch (`rollout_share`). It never waits for a
+train step it does not need: it starts batch b as soon as version b - L is published. With
+partial rollouts a batch switches, between decode dispatches, to the newest version joined.
 
 The train side runs the usual training loop with a `Receiver` in place of the producer: its
-rollout worker thread reserves a ring slot for batch b, waits for the rows, and the trainer
-thread puts them in the data plane when it pulls the batch (`globalize`). Everything else (the
-lag ring, staleness, metrics, evaluation on the train mesh, checkpoints) is the one-process
-loop's.
+rollout worker thread reserves a ring slot for batch b and waits for its K parts, and the
+trainer thread puts the rows in the data plane when it pulls the batch (`globalize`).
+Everything else (the lag ring, staleness, metrics, evaluation on the train mesh, checkpoints) is
+the one-process loop's.
 
 Messages (`jaxrl.parallel.bridge.Channel`, the coordination service): `start` (train -> rollout:
 the first batch to make, the last one, the producer state to resume from), `publish/<v>` (the
-train side launched version v's publish), `rows/<b>/<q>` (batch b for train process q), `stop`
-(a signal reached the rollout process: the train side checkpoints and stops), `done` (the train
-side finished: the rollout process returns).
+train side launched version v's publish), `rows/<b>/<k>/<q>` (rollout process k's part of batch
+b for train process q), `ckpt/<k>/<n>` (checkpoint operation n, for rollout process k), `stop`
+(a signal reached a rollout process: the train side checkpoints and stops), `done` (the train
+side finished: the rollout processes return).
 """
 
 from __future__ import annotations
@@ -248,11 +251,15 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
   r = parts.cfg.rollout
   start = json.loads(channel.wait("start", should_stop))
   first, last = start["first_batch"], start["last_batch"]
-  producer = RolloutProducer(parts, parts.train_loop(), rollout_share(parts, mesh_shape))
+  # Partial rollouts: a batch starts on its forced-lag version and switches, between decode
+  # dispatches, to the newest one the receiver thread has joined.
+  handoff = ParamsHandoff()
+  producer = RolloutProducer(parts, parts.train_loop(handoff.latest if r.partial_rollouts
+                                                     else None),
+                             rollout_share(parts, mesh_shape))
   rank = rollout_rank(mesh_shape)
   if start["producer"] is not None:
     producer.load_state_dict(start["producer"])
-  handoff = ParamsHandoff()
   versions = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \
       if last >= first else range(0)
 
