@@ -187,8 +187,8 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
     producer = RolloutProducer(parts, parts.train_loop(
         handoff.latest if r.partial_rollouts else None, share and share.mesh), share)
   else:  # the rollout process makes the batches; each version goes there as it is published
-    producer = remote.Receiver(parts, sender.channel, sender.bridge.K)
-    prepare = lambda p: sender(loop.step, merged(p))
+    producer = remote.Receiver(parts, sender.channel, sender.versions.K)
+    prepare = lambda p: sender(loop.step, p)  # with LoRA: the base once, then the adapters
   pipe = LagPipeline(producer, r.lag, stall_timeout_s=r.stall_timeout_s,
                      inline=not single and share is None and sender is None, prepare=prepare,
                      handoff=handoff)
@@ -386,15 +386,18 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
                    f"{'x'.join(map(str, mesh_shape.rollout_shape))})")
     sender = None
     if across:
-      sender = remote.Sender(remote.make_bridge(parts, mesh_shape, params),
+      sender = remote.Sender(remote.Versions(parts, mesh_shape, params),
                              remote.bridge_lib.Channel(), main)
+      crossing = f"{sender.versions.bytes_per_version:,} bytes per params version"
+      if sender.versions.lora is not None:
+        crossing = (f"the base once ({sender.versions.base_bytes:,} bytes), then the adapters "
+                    f"({sender.versions.bytes_per_version:,} bytes per version)")
       progress.say(f"disaggregated across processes: processes "
                    f"{list(mesh_shape.rollout_processes)} generate on their "
                    f"{mesh_shape.rollout_devices} devices (a "
                    f"{'x'.join(map(str, mesh_shape.rollout_shape))} mesh each), processes "
                    f"{list(remote.train_processes(mesh_shape))} train on "
-                   f"{mesh_shape.train_devices}; {sender.bridge.wire_bytes:,} bytes per params "
-                   "version")
+                   f"{mesh_shape.train_devices}; {crossing}")
     rl_step = build_rl_step(parts, params)
     # One process: compile the RL step while the warm-up runs (several processes compile in
     # lockstep on the main thread, as they launch everything else).

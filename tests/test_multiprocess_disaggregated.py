@@ -11,6 +11,7 @@ generation and of its train step).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -211,3 +212,28 @@ def test_partial_rollouts_on_a_rollout_process(tmp_path):
   assert [r["staleness/last_token/min"] for r in rows] == [0, 0, 0, 0]
   assert all(0 < r["staleness/token_mean/mean"] < 1 for r in rows[1:]), rows
   assert same_metrics(base, rows) > 150
+
+
+@pytest.mark.slow
+def test_lora_moves_the_base_once_then_adapters(tmp_path):
+  """LoRA on a rollout process: the base crosses with the first version (and again after a
+  restore), the adapters alone every other version, merged there; the per-step metrics are a
+  colocated LoRA run's. SIGTERM to the train process after step 1, then the rerun: the whole
+  run still matches."""
+  lora = ["--config.model.lora.rank=4"]
+  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS, *lora,
+                        f"--config.run_dir={tmp_path / 'one'}"], env=_env(8), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stdout + one.stderr
+  run = tmp_path / "two"
+  outs = _sigterm_after_first_step(run, _start(run, extra=lora), 1)
+  crossing = re.search(r"the base once \(([\d,]+) bytes\), then the adapters \(([\d,]+) bytes "
+                       r"per version\)", outs[1])
+  assert crossing, outs[1]
+  base, adapters = (int(g.replace(",", "")) for g in crossing.groups())
+  assert 0 < adapters < base / 4, (base, adapters)
+  stopped = len(_rows(run))
+  assert 1 <= stopped < 4 and "stopped by signal after step" in outs[1], outs[1]
+  outs = communicate(_start(run, extra=lora), 600)
+  assert f"resumed at step {stopped}" in outs[1], outs[1]
+  assert same_metrics(_rows(tmp_path / "one"), _rows(run)) > 150

@@ -243,10 +243,13 @@ class ParamsBridge:
     rows = self._pack(leaves)
     return {s.device: s.data for s in rows.addressable_shards}
 
-  def send(self, params) -> None:
-    """The train side's part of publishing `params` (launched, not waited for)."""
+  def send(self, params) -> jax.Array:
+    """The train side's part of publishing `params` (launched, not waited for). Returns the
+    exchange's output: ready once every rollout process has taken part. A caller must not launch
+    another program spanning both sides before it is (on CPU two such programs in flight at once
+    can pair each other's transfers and hang; `jaxrl.pipeline.remote.Versions` waits)."""
     by_device = self._rows(params)
-    self._run([by_device[d] for d in self._mine(self.train)])
+    return self._run([by_device[d] for d in self._mine(self.train)])
 
   # -- rollout side --------------------------------------------------------------------------------
 
@@ -289,9 +292,11 @@ class ParamsBridge:
 
   def receive(self, shardings):
     """A rollout process's part of publishing a version: the params, laid out by `shardings` (a
-    tree like the template's, on this process's rollout mesh)."""
+    tree like the template's, on this process's rollout mesh). Returns once the exchange is
+    done."""
     group = self.group_of(jax.process_index())
     got = self._run(self._placeholders(self._mine(self.rollout)))
+    jax.block_until_ready(got)  # one exchange in flight at a time (see `send`)
     return self._unpack(got, group, shardings)
 
   def transfer(self, params, shardings: list) -> list:

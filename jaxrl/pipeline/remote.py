@@ -104,10 +104,90 @@ def wire_dtype(cfg, template):
   return np.dtype(trainer)
 
 
-def make_bridge(parts, mesh_shape, template) -> bridge_lib.ParamsBridge:
-  """The params bridge of a run (the same on both sides: `template` has the params' shapes)."""
-  return bridge_lib.ParamsBridge(sides(mesh_shape)[0], rollout_groups(mesh_shape), template, wire_dtype(parts.cfg, template),
-                                 rollout_dtype(parts.cfg))
+class Versions:
+  """How each params version crosses to the rollout processes (both sides build the same one from
+  the run's `parts` and the base model's `params`, or arrays of their shapes).
+
+  Without LoRA, the whole params through one `ParamsBridge` (wire dtype `wire_dtype`, arriving
+  in the samplers' dtype). With LoRA (`model.lora`), as colocated (`lora.AdapterSync`): the
+  frozen base crosses once with the adapters (and again only if the train state's base is
+  another object, e.g. after a restore), the adapters alone every other version, in the
+  trainer's dtype, and each rollout process merges them into the base's weights there, in the
+  samplers' dtype. Each version is one exchange (a bridge for the whole LoRA params, one for the
+  adapters). `send` (train side) returns what it sent, which the rollout side passes to
+  `receive`.
+  """
+
+  def __init__(self, parts, mesh_shape, params):
+    from jaxrl import parallel
+    from jaxrl.models import lora as lora_lib
+
+    cfg = parts.cfg
+    self.parts, self.lora_lib = parts, lora_lib
+    train, groups = sides(mesh_shape)[0], rollout_groups(mesh_shape)
+    self.K = len(groups)  # rollout processes
+    lora = lora_lib.with_lora(parts.model_cfg, cfg.model.lora)
+    self.lora = lora if lora.lora_rank else None
+    self.dtype = rollout_dtype(cfg)
+    self._inflight = None  # the last exchange launched (train side)
+    if self.lora is None:
+      self.whole = bridge_lib.ParamsBridge(train, groups, params, wire_dtype(cfg, params),
+                                           self.dtype)
+      self.shardings = {"whole": parts.rollout_shardings}
+      return
+    full = lora_lib.join(params, lora_lib.abstract_adapters(self.lora))
+    adapters = lora_lib.split(full)[0]
+    self.base = bridge_lib.ParamsBridge(train, groups, full, jax.tree.leaves(full)[0].dtype)
+    self.adapters = bridge_lib.ParamsBridge(train, groups, adapters,
+                                            jax.tree.leaves(adapters)[0].dtype)
+    mesh = parts.rollout_mesh
+    self.shardings = {"base": parallel.param_shardings(full, mesh),
+                      "adapters": parallel.param_shardings(adapters, mesh)}
+    self._sent: list | None = None  # the base leaves last sent (train side)
+    self._base = self._rest = None  # the base and its unadapted weights there (rollout side)
+
+  @property
+  def bytes_per_version(self) -> int:
+    """What crosses for each version (with LoRA: the adapters; the base crosses once)."""
+    return (self.whole if self.lora is None else self.adapters).wire_bytes
+
+  @property
+  def base_bytes(self) -> int:
+    return 0 if self.lora is None else self.base.wire_bytes
+
+  def send(self, params) -> str:
+    """The train side's part of publishing `params` (the train state's, with their adapters
+    where LoRA): 'whole', 'base' (the base with the adapters) or 'adapters'."""
+    # One exchange in flight at a time (`ParamsBridge.send`): the previous version's has
+    # finished once the rollout processes joined it, which they do as soon as they are told.
+    if self._inflight is not None:
+      jax.block_until_ready(self._inflight)
+    if self.lora is None:
+      self._inflight = self.whole.send(params)
+      return "whole"
+    adapters, base = self.lora_lib.split(params)
+    leaves = jax.tree.leaves(base)
+    if self._sent is None or len(leaves) != len(self._sent) or any(
+        a is not b for a, b in zip(leaves, self._sent)):
+      self._inflight = self.base.send(params)
+      self._sent = leaves
+      return "base"
+    self._inflight = self.adapters.send(adapters)
+    return "adapters"
+
+  def receive(self, kind: str):
+    """A rollout process's part of publishing a version `send` sent as `kind`: the samplers'
+    params on its rollout mesh."""
+    if self.lora is None:
+      return self.whole.receive(self.shardings["whole"])
+    lora_lib = self.lora_lib
+    if kind == "base":
+      adapters, self._base = lora_lib.split(self.base.receive(self.shardings["base"]))
+      self._rest = lora_lib.unadapted(self.lora, self._base, self.dtype)
+    else:
+      adapters = self.adapters.receive(self.shardings["adapters"])
+    return lora_lib.merge(self.lora, lora_lib.join(self._base, adapters), self.dtype,
+                          self._rest)
 
 
 def horizon(steps: int, lag: int) -> int:
@@ -179,11 +259,11 @@ class Receiver:
 
 
 class Sender:
-  """The train side's publishing: launches the bridge for every version the rollout process
-  will ask for (`first`..`last`, set by `start`), then tells it."""
+  """The train side's publishing: sends every version the rollout processes will ask for
+  (`first`..`last`, set by `start`; `versions`: how, a `Versions`), then tells them."""
 
-  def __init__(self, bridge: bridge_lib.ParamsBridge, channel: bridge_lib.Channel, main: bool):
-    self.bridge, self.channel, self.main = bridge, channel, main
+  def __init__(self, versions: Versions, channel: bridge_lib.Channel, main: bool):
+    self.versions, self.channel, self.main = versions, channel, main
     self.first, self.last = 0, -1
 
   def start(self, first_batch: int, last_batch: int, lag: int, producer: dict | None) -> None:
@@ -196,9 +276,9 @@ class Sender:
 
   def __call__(self, version: int, params) -> None:
     if self.first <= version <= self.last:
-      self.bridge.send(params)
+      kind = self.versions.send(params)
       if self.main:
-        self.channel.set(f"publish/{version}", "1")
+        self.channel.set(f"publish/{version}", kind)
     return None
 
   def done(self) -> None:
@@ -214,8 +294,7 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   closes them."""
   stop = stop or (lambda: False)
   channel = bridge_lib.Channel()
-  bridge = make_bridge(parts, mesh_shape, params)
-  shardings = parts.rollout_shardings
+  versions = Versions(parts, mesh_shape, params)
   ended = threading.Event()
   failure: list[BaseException] = []
   told_stop = False
@@ -235,8 +314,8 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
                                    rollout_rank(mesh_shape)), daemon=True)
     saver.start()
   try:
-    made = _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_stop,
-                     failure, ended)
+    made = _generate(parts, mesh_shape, progress, channel, versions, should_stop, failure,
+                     ended)
   except BaseException:
     quit_saving.set()
     raise
@@ -245,7 +324,7 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   return made
 
 
-def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_stop, failure,
+def _generate(parts, mesh_shape, progress, channel, versions: Versions, should_stop, failure,
               ended) -> dict:
   """`serve`'s batches: a receiver thread joins each params version, this one generates."""
   r = parts.cfg.rollout
@@ -260,14 +339,14 @@ def _generate(parts, mesh_shape, progress, channel, bridge, shardings, should_st
   rank = rollout_rank(mesh_shape)
   if start["producer"] is not None:
     producer.load_state_dict(start["producer"])
-  versions = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \
+  wanted = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \
       if last >= first else range(0)
 
   def receive() -> None:  # the only thread that launches the program spanning both sides
     try:
-      for v in versions:
-        channel.wait(f"publish/{v}", should_stop)
-        handoff.publish(v, bridge.receive(shardings))
+      for v in wanted:
+        kind = channel.wait(f"publish/{v}", should_stop)
+        handoff.publish(v, versions.receive(kind))
     except bridge_lib.ChannelClosed:
       pass
     except BaseException as e:  # noqa: BLE001  (reported by the main thread)
