@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxrl import metrics as metrics_lib
+from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.pipeline.handoff import ParamsHandoff
 from jaxrl.pipeline.producer import (LocalRows, ProcessShare, RingItem, RolloutProducer, combine,
@@ -120,10 +121,9 @@ class Versions:
 
   def __init__(self, parts, mesh_shape, params):
     from jaxrl import parallel
-    from jaxrl.models import lora as lora_lib
 
     cfg = parts.cfg
-    self.parts, self.lora_lib = parts, lora_lib
+    self.parts = parts
     train, groups = sides(mesh_shape)[0], rollout_groups(mesh_shape)
     self.K = len(groups)  # rollout processes
     lora = lora_lib.with_lora(parts.model_cfg, cfg.model.lora)
@@ -165,7 +165,7 @@ class Versions:
     if self.lora is None:
       self._inflight = self.whole.send(params)
       return "whole"
-    adapters, base = self.lora_lib.split(params)
+    adapters, base = lora_lib.split(params)
     leaves = jax.tree.leaves(base)
     if self._sent is None or len(leaves) != len(self._sent) or any(
         a is not b for a, b in zip(leaves, self._sent)):
@@ -180,7 +180,6 @@ class Versions:
     params on its rollout mesh."""
     if self.lora is None:
       return self.whole.receive(self.shardings["whole"])
-    lora_lib = self.lora_lib
     if kind == "base":
       adapters, self._base = lora_lib.split(self.base.receive(self.shardings["base"]))
       self._rest = lora_lib.unadapted(self.lora, self._base, self.dtype)
