@@ -14,6 +14,11 @@ batches in lockstep; each process's reward sleeps the delay for its share (the d
 measured as on one process, `perf/sample_time_s` being the slowest process's). Process 0
 reports.
 
+`--processes N --rollout-processes 0` runs it disaggregated across processes
+(`mesh.rollout_processes`, through `jaxrl.trainer.run` in a temporary run directory): process 0
+generates and scores (sleeping the whole delay per batch), the others train; at lag 1 process 0
+makes batch t+1 while step t trains. The first train process reports.
+
 Prints ONE JSON object (progress on stderr). Runs alternate lag 0 and lag 1; steps/s per run
 is wall-clock steps per second from the end of step `skip + 1` to the end of the last step
 (the first steps compile; evaluation runs only before and after); `speedup` is the median over
@@ -22,6 +27,7 @@ pairs of the lag-1 / lag-0 ratio.
   PYTHONPATH=. python benchmarks/async_overlap.py [--steps 40] [--repeats 3] [--reward-delay-s X]
   PYTHONPATH=. python benchmarks/async_overlap.py --quick
   PYTHONPATH=. python benchmarks/async_overlap.py --processes 2 [--devices 1]
+  PYTHONPATH=. python benchmarks/async_overlap.py --processes 2 --rollout-processes 0
 """
 
 from __future__ import annotations
@@ -48,12 +54,17 @@ from jaxrl.parts import build_parts
 from jaxrl.configs.default import get_config
 
 
+REPORTER = [0]  # the process that logs and reports
+RUNS = [0]  # disaggregated runs so far
+
+
 def log(*a):
-  if jax.process_index() == 0:
+  if jax.process_index() == REPORTER[0]:
     print(*a, file=sys.stderr, flush=True)
 
 
-def run(lag: int, steps: int, delay: float, skip: int) -> dict:
+def run(lag: int, steps: int, delay: float, skip: int, rollout: str = "",
+        run_root: str = "") -> dict:
   cfg = get_config()
   cfg.sft.enabled = False
   cfg.train.steps = steps
@@ -63,6 +74,8 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
   cfg.val.at_start = cfg.val.at_end = False
   if jax.process_count() > 1:
     cfg.mesh.data = -1  # rows over every process's devices
+  if rollout:
+    return run_disaggregated(cfg, rollout, delay, skip, run_root)
   mesh = config_lib.validate(cfg, jax.device_count(), num_processes=jax.process_count())
   parts, params = build_parts(cfg, mesh)
   env = parts.envs["add"]
@@ -80,6 +93,38 @@ def run(lag: int, steps: int, delay: float, skip: int) -> dict:
     finally:
       out.close()
     rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]
+  return summarize(lag, rows)
+
+
+def run_disaggregated(cfg, rollout: str, delay: float, skip: int, run_root: str) -> dict | None:
+  """`run` disaggregated across processes: the rows of the train side (None on a rollout
+  process)."""
+  from jaxrl.envs.arithmetic import AddEnvironment
+
+  cfg.mesh.rollout_processes = rollout
+  cfg.checkpoint.every = 10**6
+  RUNS[0] += 1  # the same count on every process: one run directory for all of them
+  cfg.run_dir = os.path.join(run_root, f"run{RUNS[0]}-lag{cfg.rollout.lag}")
+  mesh = config_lib.validate(cfg, jax.device_count(), num_processes=jax.process_count())
+  score = AddEnvironment.step
+
+  def slow_step(self, turns):  # one environment call per batch (one task, one turn)
+    time.sleep(delay)
+    return score(self, turns)
+
+  AddEnvironment.step = slow_step
+  try:
+    trainer.run(cfg, cfg.run_dir, mesh)
+  finally:
+    AddEnvironment.step = score
+  if jax.process_index() != REPORTER[0]:
+    return None
+  with open(os.path.join(cfg.run_dir, "metrics.jsonl")) as f:
+    rows = [r for r in map(json.loads, f) if r.get("phase") == "rl" and r["step"] > skip]
+  return summarize(cfg.rollout.lag, rows)
+
+
+def summarize(lag: int, rows: list[dict]) -> dict:
   times = [r["perf/step_time_s"] for r in rows]
   train = [r["perf/step_time_s"] - r["perf/sample_time_s"] for r in rows]
   # Wall clock between step completions: includes the trainer's per-step bookkeeping (metrics,
@@ -104,9 +149,14 @@ def main():
   ap.add_argument("--processes", type=int, default=1,
                   help="processes joined on 127.0.0.1 (gloo), each with --devices CPU devices")
   ap.add_argument("--devices", type=int, default=1, help="simulated CPU devices per process")
+  ap.add_argument("--rollout-processes", default="",
+                  help="e.g. '0': those processes only generate (mesh.rollout_processes)")
+  ap.add_argument("--run-root", default="", help=argparse.SUPPRESS)
   ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.rollout_processes and args.processes < 2:
+    ap.error("--rollout-processes needs --processes >= 2")
   if args.processes > 1 and args.process_id is None:
     return launch(args)
   if args.process_id is not None:
@@ -115,30 +165,42 @@ def main():
                                initialization_timeout=120)
   if args.quick:
     args.steps, args.repeats, args.skip = 12, 1, 4
+  rollout = args.rollout_processes
+  if rollout:  # the first train process reports
+    procs = {int(q) for q in rollout.split(",")}
+    REPORTER[0] = min(q for q in range(jax.process_count()) if q not in procs)
+  go = lambda lag, steps, delay: run(lag, steps, delay, args.skip, rollout, args.run_root)
   t0 = time.perf_counter()
   delay = args.reward_delay_s
   if delay <= 0:
-    probe = run(0, args.skip + 10, 0.0, args.skip)
-    delay = round(probe["median_train_s_at_lag0"], 3)
-    if jax.process_count() > 1:  # process 0's measurement, on every process
+    probe = go(0, args.skip + 10, 0.0)
+    delay = round(probe["median_train_s_at_lag0"], 3) if probe else 0.0
+    if jax.process_count() > 1:  # the reporter's measurement, on every process
       from jax.experimental import multihost_utils
-      delay = float(multihost_utils.broadcast_one_to_all(np.float64(delay)))
-    log(f"no reward delay: median step {probe['median_step_s'] * 1e3:.1f} ms, of which "
-        f"sampling {probe['median_sample_s'] * 1e3:.1f} ms; reward delay set to the rest "
-        f"(train step + bookkeeping) = {delay * 1e3:.0f} ms")
+      delay = float(multihost_utils.broadcast_one_to_all(
+          np.float64(delay), is_source=jax.process_index() == REPORTER[0]))
+    if probe is not None:
+      log(f"no reward delay: median step {probe['median_step_s'] * 1e3:.1f} ms, of which "
+          f"sampling {probe['median_sample_s'] * 1e3:.1f} ms; reward delay set to the rest "
+          f"(train step + bookkeeping) = {delay * 1e3:.0f} ms")
   runs = {0: [], 1: []}
   for i in range(args.repeats):
     for lag in (0, 1):
-      res = run(lag, args.steps, delay, args.skip)
+      res = go(lag, args.steps, delay)
+      if res is None:  # a rollout process
+        continue
       runs[lag].append(res)
       log(f"repeat {i} lag {lag}: {res['steps_per_s']:.2f} steps/s, "
           f"median step {res['median_step_s'] * 1e3:.1f} ms, "
           f"first-token staleness max {res['staleness_first_token_max']}")
+  if jax.process_index() != REPORTER[0]:
+    return
   ratios = [b["steps_per_s"] / a["steps_per_s"] for a, b in zip(runs[0], runs[1])]
   report = {
       "benchmark": "async_overlap",
       "quick": args.quick,
       "processes": jax.process_count(), "devices_per_process": jax.local_device_count(),
+      "rollout_processes": rollout or None,
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                   "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
       "versions": {"jax": jax.__version__, "python": platform.python_version()},
@@ -152,8 +214,7 @@ def main():
       "runs": runs,
       "total_wall_s": round(time.perf_counter() - t0, 1),
   }
-  if jax.process_index() == 0:
-    print(json.dumps(report, indent=2))
+  print(json.dumps(report, indent=2))
 
 
 def launch(args) -> None:
@@ -166,11 +227,16 @@ def launch(args) -> None:
            if "xla_force_host_platform_device_count" not in f]
   env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
   argv = [a for a in sys.argv[1:]]
+  reporter = 0
+  if args.rollout_processes:
+    procs = {int(q) for q in args.rollout_processes.split(",")}
+    reporter = min(q for q in range(args.processes) if q not in procs)
+  root = tempfile.mkdtemp(prefix="jaxrl-async-overlap-")
   procs = [subprocess.Popen([sys.executable, __file__, *argv, f"--process-id={i}",
-                             f"--coordinator=127.0.0.1:{port}"], env=env,
-                            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL)
+                             f"--coordinator=127.0.0.1:{port}", f"--run-root={root}"], env=env,
+                            stdout=subprocess.PIPE if i == reporter else subprocess.DEVNULL)
            for i in range(args.processes)]
-  out = procs[0].communicate()[0].decode()
+  out = procs[reporter].communicate()[0].decode()
   codes = [p.wait() for p in procs]
   # The report is the JSON object at the end; gloo writes its connection lines to stdout first.
   lines = out.splitlines(keepends=True)

@@ -339,6 +339,7 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
   rollout_side = across and jax.process_index() in mesh_shape.rollout_processes
   if across:  # the trainers' collectives and files are theirs alone (`jaxrl.pipeline.remote`)
     parallel.distributed.set_group(remote.train_processes(mesh_shape))
+    remote.new_run()
   main = parallel.distributed.is_main()
   parts, params = build_parts(cfg, mesh_shape)
   quiet = None if main else open(os.devnull, "w")
@@ -359,7 +360,7 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
         inner, ckpt = ckpt, None  # serve closes it when the train side does
         return remote.serve(parts, params, mesh_shape, progress, stop, ckpt=inner,
                             union=union)
-      ckpt = remote.MirroredCheckpointer(ckpt, remote.bridge_lib.Channel(), union, main,
+      ckpt = remote.MirroredCheckpointer(ckpt, remote.run_channel(), union, main,
                                          len(mesh_shape.rollout_processes))
     if main:
       with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -387,7 +388,7 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
     sender = None
     if across:
       sender = remote.Sender(remote.Versions(parts, mesh_shape, params),
-                             remote.bridge_lib.Channel(), main)
+                             remote.run_channel(), main)
       crossing = f"{sender.versions.bytes_per_version:,} bytes per params version"
       if sender.versions.lora is not None:
         crossing = (f"the base once ({sender.versions.base_bytes:,} bytes), then the adapters "

@@ -3,7 +3,8 @@ process's devices (`mesh.rollout_processes`), run within one process (`transfer`
 devices: each rollout group receives the whole params, bit for bit in the wire dtype, laid out by
 its own shardings, for train/rollout device counts that do and do not match and for several
 rollout groups; a params tree other than the template's is refused. The rows' way back
-(`producer.combine`) joins the parts of several processes as `globalize` does."""
+(`producer.combine`) joins the parts of several processes as `globalize` does, and the
+`Channel` they travel through cuts them into chunks and keeps runs apart."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from conftest import tiny_model_config
 from jaxrl.models.transformer import abstract_model
 from jaxrl.parallel import make_mesh, param_shardings
-from jaxrl.parallel.bridge import ParamsBridge
+from jaxrl.parallel.bridge import Channel, ChannelClosed, ParamsBridge, pack, unpack
 from jaxrl.pipeline.data_plane import BatchMeta
 from jaxrl.pipeline.producer import combine
 
@@ -89,3 +90,52 @@ def test_combine_joins_the_parts_of_a_batch():
   assert info == {"env/calls": 5, "env/failed/timeout": 3, "dynamic_sampling/num_gen_batches": 2,
                   "reward/correct": 2.0}
   assert counts == {"regenerated": 1, "filtered": 2} and took == 0.75
+
+
+class _Store:
+  """An in-memory stand-in for the coordination service's key-value client."""
+
+  def __init__(self):
+    self.kv: dict = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite or key not in self.kv
+    self.kv[key] = value
+
+  key_value_set_bytes = key_value_set
+
+  def key_value_try_get(self, key):
+    if key not in self.kv:
+      raise KeyError(f"NOT_FOUND: {key}")
+    return self.kv[key]
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.kv:
+      raise TimeoutError("DEADLINE_EXCEEDED")
+    return self.kv[key]
+
+  blocking_key_value_get_bytes = blocking_key_value_get
+
+  def key_value_delete(self, key):
+    del self.kv[key]
+
+
+def test_channel_chunks_bytes_and_keeps_runs_apart():
+  """Values larger than a chunk cross whole and are deleted when taken; two runs' channels (the
+  prefix `remote.run_channel` gives each run) never read each other's keys; a wait ends with
+  ChannelClosed once `should_stop()`."""
+  store = _Store()
+  first = Channel(store, prefix="jaxrl/disaggregated/run1/")
+  second = Channel(store, prefix="jaxrl/disaggregated/run2/")
+  first.CHUNK = second.CHUNK = 7
+  data = bytes(range(50))
+  first.put_bytes("rows/0/0/1", data)
+  assert sum(k.startswith("jaxrl/disaggregated/run1/rows/0/0/1/") for k in store.kv) == 9
+  first.set("done", "1")
+  assert first.has("done") and not second.has("done")
+  with pytest.raises(ChannelClosed):
+    second.take_bytes("rows/0/0/1", should_stop=lambda: True)
+  assert first.take_bytes("rows/0/0/1") == data
+  assert list(store.kv) == ["jaxrl/disaggregated/run1/done"]  # the rows' keys are gone
+  arrays, head = unpack(pack({"tokens": np.arange(6).reshape(2, 3)}, {"batch": 3}))
+  assert head == {"batch": 3} and arrays["tokens"].tolist() == [[0, 1, 2], [3, 4, 5]]

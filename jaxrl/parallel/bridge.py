@@ -64,19 +64,20 @@ class Channel:
 
   CHUNK = 1 << 20
 
-  def __init__(self, client=None, poll_s: float = 0.2):
+  def __init__(self, client=None, poll_s: float = 0.2, prefix: str = PREFIX):
     if client is None:
       from jaxrl.parallel import peers
       client = peers.coordination_client()
     self.client = client
     self.poll_ms = max(1, int(poll_s * 1000))
+    self.prefix = prefix  # every key's (one run's keys never meet another's)
 
   def set(self, key: str, value: str) -> None:
-    self.client.key_value_set(PREFIX + key, value, allow_overwrite=True)
+    self.client.key_value_set(self.prefix + key, value, allow_overwrite=True)
 
   def has(self, key: str) -> bool:
     try:
-      self.client.key_value_try_get(PREFIX + key)
+      self.client.key_value_try_get(self.prefix + key)
     except Exception:  # noqa: BLE001  (NOT_FOUND)
       return False
     return True
@@ -87,7 +88,7 @@ class Channel:
       if should_stop():
         raise ChannelClosed(key)
       try:
-        return self.client.blocking_key_value_get(PREFIX + key, self.poll_ms)
+        return self.client.blocking_key_value_get(self.prefix + key, self.poll_ms)
       except Exception as e:  # noqa: BLE001
         if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e):
           raise
@@ -96,18 +97,18 @@ class Channel:
     """`data` under `key` (chunks first, then the count that makes it visible)."""
     n = max(1, -(-len(data) // self.CHUNK))
     for i in range(n):
-      self.client.key_value_set_bytes(f"{PREFIX}{key}/{i}", data[i * self.CHUNK:(i + 1) *
+      self.client.key_value_set_bytes(f"{self.prefix}{key}/{i}", data[i * self.CHUNK:(i + 1) *
                                                                  self.CHUNK])
     self.set(f"{key}/n", str(n))
 
   def take_bytes(self, key: str, should_stop: Callable[[], bool] = lambda: False) -> bytes:
     """The bytes `put_bytes` stored under `key`, waiting for them; the keys are deleted."""
     n = int(self.wait(f"{key}/n", should_stop))
-    parts = [self.client.blocking_key_value_get_bytes(f"{PREFIX}{key}/{i}", self.poll_ms)
+    parts = [self.client.blocking_key_value_get_bytes(f"{self.prefix}{key}/{i}", self.poll_ms)
              for i in range(n)]
     for i in range(n):
-      self.client.key_value_delete(f"{PREFIX}{key}/{i}")
-    self.client.key_value_delete(f"{PREFIX}{key}/n")
+      self.client.key_value_delete(f"{self.prefix}{key}/{i}")
+    self.client.key_value_delete(f"{self.prefix}{key}/n")
     return b"".join(parts)
 
 

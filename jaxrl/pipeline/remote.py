@@ -82,6 +82,20 @@ def rollout_share(parts, mesh_shape) -> ProcessShare | None:
                       parts.rollout_mesh, rollout_dtype(parts.cfg))
 
 
+_RUNS = [0]  # runs disaggregated across processes begun by this process
+
+
+def new_run() -> None:
+  """Starts a run's messages afresh: every process calls it at the start of each run (in the same
+  order), so a later run in the same processes never reads an earlier one's keys."""
+  _RUNS[0] += 1
+
+
+def run_channel() -> bridge_lib.Channel:
+  """The current run's channel (`new_run`)."""
+  return bridge_lib.Channel(prefix=f"{bridge_lib.PREFIX}run{_RUNS[0]}/")
+
+
 def train_mesh(mesh_shape):
   """The train mesh of a run disaggregated across processes (the same on both sides)."""
   from jaxrl import parallel
@@ -292,7 +306,7 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   checkpoints it takes part in (`serve_checkpoints`, on a thread of its own) until the train side
   closes them."""
   stop = stop or (lambda: False)
-  channel = bridge_lib.Channel()
+  channel = run_channel()
   versions = Versions(parts, mesh_shape, params)
   ended = threading.Event()
   failure: list[BaseException] = []
