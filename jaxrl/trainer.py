@@ -358,6 +358,9 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       union = remote.union_mesh(remote.train_mesh(mesh_shape), remote.rollout_groups(mesh_shape))
       if rollout_side:
         inner, ckpt = ckpt, None  # serve closes it when the train side does
+        # It generates with the versions it receives only: its own starting params are a
+        # template (shapes and dtypes), their device memory freed here.
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         return remote.serve(parts, params, mesh_shape, progress, stop, ckpt=inner,
                             union=union)
       ckpt = remote.MirroredCheckpointer(ckpt, remote.run_channel(), union, main,

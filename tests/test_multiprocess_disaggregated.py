@@ -1,11 +1,13 @@
 """Disaggregated across processes (`mesh.rollout_processes`, `jaxrl.pipeline.remote`).
 
-Two processes x 4 simulated CPU devices: process 0's devices only generate, process 1's only
-train, lag 1, through `python -m jaxrl.train` (and three processes, two of them generating). The per-step metrics must be one colocated
-process's (8 devices) for the same keys (<= 1e-5), with first-token staleness exactly
-min(step - 1, 1), only the train process writing the run directory, and the rollout process
-generating batch b + 1 while step b trains (each row carries the wall-clock span of its batch's
-generation and of its train step).
+Processes of 4 simulated CPU devices, lag 1, through `python -m jaxrl.train`: process 0's
+devices only generate, process 1's only train; then two rollout processes and one train process;
+one rollout process for a train mesh of two processes (checkpoints folded); LoRA; partial
+rollouts. Each run's per-step metrics must be one colocated process's (8 devices) for the same
+keys (<= 1e-5), with first-token staleness exactly min(step - 1, 1), only the (first) train
+process writing the run directory, and the rollout process generating batch b + 1 while step b
+trains (each row carries the wall-clock span of its batch's generation and of its train step).
+SIGTERM to any one process checkpoints all and the rerun resumes exactly.
 """
 
 from __future__ import annotations

@@ -137,7 +137,6 @@ class Versions:
     from jaxrl import parallel
 
     cfg = parts.cfg
-    self.parts = parts
     train, groups = sides(mesh_shape)[0], rollout_groups(mesh_shape)
     self.K = len(groups)  # rollout processes
     lora = lora_lib.with_lora(parts.model_cfg, cfg.model.lora)
@@ -302,6 +301,7 @@ class Sender:
 def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, *,
           ckpt=None, union=None) -> dict:
   """The rollout process's whole run (module docstring); returns a summary of what it made.
+  `params`: the starting params or their shapes (the template of every version it receives).
   `ckpt` (a `Checkpointer` on the run's checkpoint directory) and `union` (`union_mesh`): the
   checkpoints it takes part in (`serve_checkpoints`, on a thread of its own) until the train side
   closes them."""
@@ -549,7 +549,8 @@ class MirroredCheckpointer:
     return getattr(self.inner, name)
 
 
-def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop, rank: int = 0) -> None:
+def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop,
+                      rank: int = 0) -> None:
   """Rollout process `rank`'s part of every checkpoint operation the train side sends, in order,
   until it closes the checkpointer (or `should_stop()` with no operation pending)."""
   import pickle
