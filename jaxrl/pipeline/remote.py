@@ -455,10 +455,19 @@ def union_mesh(train_mesh, rollout_groups):
 def use_first_replica_writes() -> None:
   """Orbax writes each array's first replica only (not split over replicas), so placeholders
   are never written (see above). Set on every process before the first checkpoint."""
+  import logging
+
   import orbax.checkpoint as ocp
 
-  ocp.type_handlers.register_type_handler(
-      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  # Orbax warns that the handler it replaces is overridden: that is the point here.
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  finally:
+    absl.setLevel(level)
 
 
 def _spec_of(x):
