@@ -19,6 +19,7 @@ batches in `jaxrl.pipeline.producer`, checkpointed loop state in `jaxrl.loop_sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -359,8 +360,10 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
       if rollout_side:
         inner, ckpt = ckpt, None  # serve closes it when the train side does
         # It generates with the versions it receives only: its own starting params are a
-        # template (shapes and dtypes), their device memory freed here.
+        # template (shapes and dtypes), their device memory freed here, and a distillation
+        # teacher (the train step's) is dropped.
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        parts = dataclasses.replace(parts, teacher=None)
         return remote.serve(parts, params, mesh_shape, progress, stop, ckpt=inner,
                             union=union)
       ckpt = remote.MirroredCheckpointer(ckpt, remote.run_channel(), union, main,
