@@ -77,6 +77,8 @@ def rollout_share(parts, mesh_shape) -> ProcessShare | None:
     return None
   P, G = parts.cfg.rollout.num_prompts, parts.cfg.rollout.group_size
   each = P // K
+  # Its `publish` (a colocated process's copy from the train mesh) is never called here: the
+  # params arrive through `Versions`, so its train mesh is given as the rollout mesh.
   return ProcessShare(k, k * each, each, parts.data.num_row_shards(),
                       tuple(q * each * G for q in range(K)), parts.rollout_mesh,
                       parts.rollout_mesh, rollout_dtype(parts.cfg))
