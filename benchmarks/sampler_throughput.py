@@ -9,6 +9,9 @@ alternate, so both see the same machine load; `ratio` is the median of the per-p
 Every row generates exactly `new_tokens` tokens: jaxrl gets `eos_id = vocab_size` (an id that is
 never sampled), HF gets `min_new_tokens = max_new_tokens` and no EOS.
 
+On a GPU (JAX's default backend `gpu`) the HF side runs on CUDA too (`--hf-device auto`), each
+call ending in `torch.cuda.synchronize()`, as jaxrl's ends in `block_until_ready`.
+
 `--dtypes float32,bfloat16` runs every case once per dtype, both sides in it: jaxrl with params
 and compute in that dtype (the sampler of `rollout.dtype`; log-probs stay float32), HF with the
 model cast to it (`torch_dtype`). A case's bfloat16 result is keyed "<case> bfloat16"; with both
@@ -161,7 +164,7 @@ def hf_unavailable_reason() -> str | None:
 
 class HFRunner:
 
-  def __init__(self, case: Case, prompts, valid, threads: int):
+  def __init__(self, case: Case, prompts, valid, threads: int, device: str = "cpu"):
     import torch
     import transformers
 
@@ -186,12 +189,14 @@ class HFRunner:
       config = transformers.Qwen2Config(use_sliding_window=False, **common)
       cls = transformers.Qwen2ForCausalLM
     t0 = time.perf_counter()
-    self.model = cls(config).to(dtype).eval()  # what from_pretrained(torch_dtype=dtype) gives
+    # what from_pretrained(torch_dtype=dtype) gives
+    self.model = cls(config).to(dtype).to(device).eval()
     self.init_s = time.perf_counter() - t0
     self.torch = torch
     self.case = case
-    self.input_ids = torch.from_numpy(prompts.astype(np.int64))
-    self.attention_mask = torch.from_numpy(valid.astype(np.int64))
+    self.device = device
+    self.input_ids = torch.from_numpy(prompts.astype(np.int64)).to(device)
+    self.attention_mask = torch.from_numpy(valid.astype(np.int64)).to(device)
     self.attn_impl = getattr(self.model.config, "_attn_implementation", None)
     self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -203,6 +208,8 @@ class HFRunner:
           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=c.new_tokens,
           min_new_tokens=c.new_tokens, num_return_sequences=c.group, use_cache=True,
           pad_token_id=0, eos_token_id=None)
+    if self.device != "cpu":
+      self.torch.cuda.synchronize()
     new = out.shape[1] - c.prompt_len
     assert out.shape[0] == c.prompts * c.group and new == c.new_tokens, out.shape
     return out
@@ -229,7 +236,7 @@ def summarize(first_s: float, times: list[float], tokens: int) -> dict:
 
 
 def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int,
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", hf_device: str = "cpu") -> dict:
   case = dataclasses.replace(case, model=dataclasses.replace(case.model, param_dtype=dtype,
                                                              dtype=dtype))
   prompts, valid = make_prompts(case)
@@ -248,7 +255,7 @@ def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int,
 
   hf = None
   if hf_reason is None:
-    hf = HFRunner(case, prompts, valid, threads)
+    hf = HFRunner(case, prompts, valid, threads, hf_device)
     log(f"[{case.name}] HF init {hf.init_s:.1f}s ({hf.params / 1e6:.1f}M params, "
         f"attn={hf.attn_impl}); first call")
     hf_first = timed(hf)
@@ -282,6 +289,7 @@ def run_case(case: Case, repeats: int, hf_reason: str | None, threads: int,
     result["hf_reason"] = hf_reason
   else:
     result["hf"] = {"class": type(hf.model).__name__, "attn_implementation": hf.attn_impl,
+                    "device": hf.device,
                     "params_millions": round(hf.params / 1e6, 2), "init_s": round(hf.init_s, 2),
                     **summarize(hf_first, ht, tokens)}
     pair = [h / j for j, h in zip(jt, ht)]  # (tokens/jt) / (tokens/ht)
@@ -317,6 +325,8 @@ def main():
                   help="new tokens per row in the 0.5B case (16 keeps it under ~3 min here)")
   ap.add_argument("--torch-threads", type=int, default=2)
   ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face even if installed")
+  ap.add_argument("--hf-device", default="auto",
+                  help="where HF runs: cpu, cuda, or auto (cuda when JAX's backend is gpu)")
   ap.add_argument("--dtypes", default="float32",
                   help="comma list of: float32, bfloat16 (params and compute, both sides)")
   args = ap.parse_args()
@@ -335,18 +345,27 @@ def main():
   hf_reason = "disabled by --no-hf" if args.no_hf else hf_unavailable_reason()
   if hf_reason:
     log(f"HF comparison off: {hf_reason}")
+  hf_device = args.hf_device
+  if hf_device == "auto":
+    hf_device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+  if hf_device not in ("cpu", "cuda"):
+    ap.error(f"--hf-device: cpu, cuda or auto; got {args.hf_device!r}")
 
   versions = {"jax": jax.__version__, "python": platform.python_version()}
   if hf_reason is None:
     import torch
     import transformers
     versions.update(torch=torch.__version__, transformers=transformers.__version__)
+    if hf_device == "cuda" and not torch.cuda.is_available():
+      ap.error("--hf-device cuda: torch sees no CUDA device")
   report = {
       "benchmark": "sampler_throughput",
       "quick": args.quick,
       "repeats": args.repeats,
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                  "jax_backend": jax.default_backend(), "torch_threads": args.torch_threads,
+                  "jax_backend": jax.default_backend(),
+                  "jax_device": jax.devices()[0].device_kind, "hf_device": hf_device,
+                  "torch_threads": args.torch_threads,
                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                   "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
       "versions": versions,
@@ -360,7 +379,7 @@ def main():
     for d in dtypes:
       key = c.name if d == "float32" else f"{c.name} {d}"
       by_dtype[d] = report["cases"][key] = run_case(c, args.repeats, hf_reason,
-                                                    args.torch_threads, d)
+                                                    args.torch_threads, d, hf_device)
     if "float32" in by_dtype and "bfloat16" in by_dtype:
       report["cases"][f"{c.name} bf16_over_f32"] = dtype_speedups(by_dtype["float32"],
                                                                    by_dtype["bfloat16"])

@@ -140,6 +140,63 @@ def test_pallas_multiple_token_blocks():
   assert rel_err(g[0], ref_g[0]) < 1e-5 and rel_err(g[1], ref_g[1]) < 1e-5
 
 
+@pytest.mark.parametrize("n,d,v,chunk,dtype", [
+    (N, D, V, CHUNK, jnp.float32),  # ragged N and V: 3 token blocks of 16, last V block 104 wide
+    (21, 24, 14, None, jnp.float32),  # D = 24 padded to 32; V = 14 below the 16-column block
+    (40, 40, 300, 64, jnp.bfloat16),  # bf16 tiles, V = 300 over 5 blocks of 64 (last ragged)
+])
+def test_pallas_gpu_layout(n, d, v, chunk, dtype):
+  # The Triton-shaped kernels (loops inside the program, D padded to a power of two), run by
+  # the interpreter: the same math as the grid kernels and the dense reference.
+  h, w, targets, temperature, _, _, weights = make_inputs(n, d, v, dtype)
+  t = effective_temperature(temperature, n)
+
+  def loss(fn, hh, ww):
+    logp, entropy = fn(hh, ww, targets, t, with_entropy=True, chunk_size=chunk)
+    return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * entropy), (logp, entropy)
+
+  grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), (0, 1),  # noqa: E731
+                                               has_aux=True))
+  (_, ref), ref_g = grad(reference_impl.fused_logprob)(h, w)
+  gpu = functools.partial(pallas_impl.fused_logprob, layout="gpu", interpret=True)
+  (_, out), g = grad(gpu)(h, w)
+  tol, gtol = (1e-5, 1e-5) if dtype == jnp.float32 else (1e-5, 2e-2)
+  assert rel_err(out[0], ref[0]) < tol and rel_err(out[1], ref[1]) < tol
+  assert rel_err(g[0], ref_g[0]) < gtol and rel_err(g[1], ref_g[1]) < gtol
+  assert g[0].dtype == dtype and g[1].dtype == dtype
+
+
+def test_pallas_gpu_layout_lowers_to_triton():
+  # Lowering (not compiling) for CUDA runs on any machine: the Pallas-to-Triton lowering accepts
+  # the kernels only if every tile is a power of two and every op has a Triton rule. Qwen2.5-0.5B
+  # sizes (D = 896 -> 1024) and the default model's (D = 64, V = 14), value and gradient.
+  def lowered(n, d, v, dtype):
+    def loss(h, w, targets, t):
+      logp, entropy = pallas_impl.fused_logprob(h, w, targets, t, with_entropy=True,
+                                                layout="gpu", interpret=False)
+      return jnp.sum(logp) + jnp.sum(entropy)
+
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in
+            (((n, d), dtype), ((d, v), dtype), ((n,), jnp.int32), ((n,), jnp.float32))]
+    exported = jax.export.export(
+        jax.jit(jax.value_and_grad(loss, (0, 1))), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)
+    return exported.mlir_module()
+
+  for n, d, v, dtype in ((4096, 896, 151936, jnp.bfloat16), (640, 64, 14, jnp.float32)):
+    text = lowered(n, d, v, dtype)
+    for name in ("fused_logprob_fwd_gpu", "fused_logprob_dh_gpu", "fused_logprob_dw_gpu"):
+      assert f'name = "{name}"' in text, name
+
+
+def test_pallas_layout_is_checked():
+  h, w, targets, temperature, _, _, _ = make_inputs()
+  with pytest.raises(ValueError, match="unknown pallas fused_logprob layout 'cuda'"):
+    pallas_impl.fused_logprob(h, w, targets, effective_temperature(temperature, N),
+                              layout="cuda", interpret=True)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_inputs(impl):
   # bf16 matmuls (f32 accumulation) in every impl; the backward rounds dl to bf16 before its

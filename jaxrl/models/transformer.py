@@ -431,11 +431,13 @@ class Transformer(nnx.Module):
       # reading its slice, so XLA updates the carried buffer in place instead of copying it.
       stacked = self._layer_params()
       dense = None
-      if cache is not None and T == 1:
+      if cache is not None and T == 1 and jax.default_backend() == "cpu":
         # Decode is bound by reading the weights. A matmul on a layer's slice of a stacked
-        # weight makes XLA copy the whole slice to fresh memory first; instead stream each
-        # weight in column chunks small enough that the copy stays in cache for the matmul
-        # (measured 2x the weight-read rate of slice-then-matmul for batch-4 0.5B shapes).
+        # weight makes XLA's CPU backend copy the whole slice to fresh memory first; instead
+        # stream each weight in column chunks small enough that the copy stays in cache for the
+        # matmul (measured 2x the weight-read rate of slice-then-matmul for batch-4 0.5B shapes
+        # on CPU). Not on accelerators: there each chunk is a kernel launch of its own, and the
+        # slice copy runs at HBM bandwidth.
         big = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
         big_w = {n: stacked.pop(n) for n in big}
         big_w = {n: w.reshape(w.shape[0], -1, w.shape[-1]) if n == "wo"

@@ -1,6 +1,8 @@
 """Pallas kernels for the fused log-prob (TPU, GPU); `interpret=True` runs them on CPU for tests.
 
-Same math as `xla.py` (see its docstring), tiled over a grid instead of a loop:
+Same math as `xla.py` (see its docstring), in two layouts.
+
+**`tpu` layout** (Mosaic TPU; the CPU interpreter's default), tiled over a grid:
 
 - forward, grid `(N / bn, V / bv)`: each program computes the logits tile
   `z = (h[i] @ W[:, j]) / t` and folds it into the online-logsumexp accumulators `m, s, a`
@@ -17,37 +19,53 @@ scatter-add outside the kernels (`common`), as in `xla`.
 Ragged shapes: `N` is padded to a multiple of `bn` with zero rows (zero cotangents, so they add
 nothing); the last vocabulary block may run past `V`, so each kernel zeroes the out-of-range `W`
 columns it read (their contents are unspecified) and masks them out of every sum.
+
+**`gpu` layout** (Pallas' Triton backend). Triton runs a grid's programs concurrently, so no
+grid axis can accumulate; the accumulating axis becomes a `fori_loop` inside the program:
+
+- forward and `dh`, grid `(N / bn,)`: each program loops over the vocabulary blocks, keeping
+  `m, s, a` (forward) or the `[bn, D]` `dh` rows (backward) in registers;
+- `dW`, grid `(V / bv,)`: each program loops over the token blocks, keeping its `[D, bv]` block.
+
+Triton needs every tile's size to be a power of two, so `D` is zero-padded to the next power of
+two (zero columns of `h` and rows of `W` add nothing) and `V` to a multiple of `bv` (padded
+columns masked out, as above); this costs one padded copy of `W` per call. Tiles are sized so a
+program's `h` rows, `W` block and accumulator stay within ~128 KiB each; `D` above
+`GPU_MAX_D` (2048) runs the `xla` implementation instead, with a one-time warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.fused_logprob import common
+from jaxrl.kernels.fused_logprob import common, xla
 
 # TPU-friendly defaults: multiples of 128 lanes; a `[D, bv]` bf16 tile of W at D = 4096 is 4 MiB.
 DEFAULT_BLOCK_N = 256
 DEFAULT_BLOCK_V = 512
 
 
+LAYOUTS = ("tpu", "gpu")
+GPU_MAX_D = 2048
+
+
 def _compiler_params(interpret):
-  """Dimension semantics for (parallel, accumulating) grids on the current backend."""
+  """Dimension semantics for the `tpu` layout's (parallel, accumulating) grids."""
   if interpret:
     return None
   backend = jax.default_backend()
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
-  if backend == "gpu":
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.CompilerParams(dimension_semantics=("parallel", "sequential"))
-  raise NotImplementedError(f"pallas fused_logprob needs TPU or GPU (or interpret=True); "
-                            f"backend is {backend!r}")
+  raise NotImplementedError(f"the pallas fused_logprob `tpu` layout compiles on TPU only (GPU "
+                            f"uses the `gpu` layout; CPU needs interpret=True); backend is "
+                            f"{backend!r}")
 
 
 def _tile_logits(h_ref, w_ref, t_ref, j, v: int, bv: int):
@@ -212,6 +230,206 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret):
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
+# ---- gpu layout ----------------------------------------------------------------------------------
+
+def _pow2_ceil(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def _gpu_blocks(n: int, d: int, v: int, block_v: int):
+  """`(dp, bn, bv, n_pad, v_pad)`: padded `D`, power-of-two tiles (>= 16, Triton's smallest dot)
+  with `bn x dp`, `dp x bv` <= 16K / 32K elements, and the padded `N`, `V`."""
+  dp = max(16, _pow2_ceil(d))
+  bn = max(16, min(64, _pow2_floor(16384 // dp)))
+  bv = max(16, min(_pow2_floor(block_v), _pow2_floor(32768 // dp), _pow2_ceil(v)))
+  return dp, bn, bv, -(-n // bn) * bn, -(-v // bv) * bv
+
+
+def _gpu_params(interpret, dp: int, bv: int):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltriton
+  return pltriton.CompilerParams(num_warps=4 if dp * bv <= 8192 else 8, num_stages=2)
+
+
+def _gpu_z(h, w, t, start, v: int, bv: int):
+  """`(z [bn, bv] float32, valid [1, bv])` for the vocabulary block at column `start`."""
+  z = jnp.dot(h, w, preferred_element_type=jnp.float32) / t
+  valid = (start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)) < v
+  return z, valid
+
+
+def _gpu_dl(z, valid, t, lse, shift, g, ent, with_entropy, dt):
+  p = jnp.where(valid, jnp.exp(z - lse), 0.0)  # padded columns: z = 0, p masked to 0
+  coef = g + ent * (z - shift) if with_entropy else g
+  return (-(p * coef) / t).astype(dt)
+
+
+def _gpu_fwd_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, *, v, bv, nv, with_entropy):
+  h, t = h_ref[...], t_ref[...]
+
+  def body(j, carry):
+    m, s, a = carry
+    start = pl.multiple_of(j * bv, bv)
+    z, valid = _gpu_z(h, w_ref[:, pl.ds(start, bv)], t, start, v, bv)
+    z = jnp.where(valid, z, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))  # finite: each block has a column
+    scale = jnp.exp(m - m_new)
+    e = jnp.exp(z - m_new)
+    s = s * scale + jnp.sum(e, axis=1, keepdims=True)
+    if with_entropy:
+      a = a * scale + jnp.sum(jnp.where(valid, e * z, 0.0), axis=1, keepdims=True)
+    return m_new, s, a
+
+  shape = m_ref.shape
+  m, s, a = lax.fori_loop(0, nv, body, (jnp.full(shape, -jnp.inf, jnp.float32),
+                                        jnp.zeros(shape, jnp.float32),
+                                        jnp.zeros(shape, jnp.float32)))
+  m_ref[...] = m
+  s_ref[...] = s
+  a_ref[...] = a
+
+
+def _gpu_dh_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dh_ref, *, v, bv, nv,
+                   with_entropy, dt):
+  h, t = h_ref[...], t_ref[...]
+  lse, shift, g, ent = lse_ref[...], shift_ref[...], g_ref[...], e_ref[...]
+
+  def body(j, acc):
+    start = pl.multiple_of(j * bv, bv)
+    w = w_ref[:, pl.ds(start, bv)]
+    z, valid = _gpu_z(h, w, t, start, v, bv)
+    dl = _gpu_dl(z, valid, t, lse, shift, g, ent, with_entropy, dt)
+    return acc + lax.dot_general(dl, w, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+
+  dh_ref[...] = lax.fori_loop(0, nv, body, jnp.zeros(dh_ref.shape, jnp.float32))
+
+
+def _gpu_dw_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dw_ref, *, v, bv, bn,
+                   nb, with_entropy, dt):
+  start_v = pl.program_id(0) * bv
+  w = w_ref[...]
+
+  def body(i, acc):
+    rows = pl.ds(pl.multiple_of(i * bn, bn), bn)
+    h, t = h_ref[rows, :], t_ref[rows, :]
+    z, valid = _gpu_z(h, w, t, start_v, v, bv)
+    dl = _gpu_dl(z, valid, t, lse_ref[rows, :], shift_ref[rows, :], g_ref[rows, :],
+                 e_ref[rows, :], with_entropy, dt)
+    return acc + lax.dot_general(h, dl, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+
+  dw_ref[...] = lax.fori_loop(0, nb, body, jnp.zeros(dw_ref.shape, jnp.float32))
+
+
+def _gpu_pad(h, w, t, n_pad, dp, v_pad, dt):
+  n, d = h.shape
+  hp = jnp.pad(h.astype(dt), ((0, n_pad - n), (0, dp - d)))
+  wp = jnp.pad(w.astype(dt), ((0, dp - d), (0, v_pad - w.shape[1])))
+  tp = _pad_rows(t[:, None], n_pad) + (jnp.arange(n_pad) >= n)[:, None]  # pad rows: t = 1
+  return hp, wp, tp
+
+
+def _gpu_forward(h, w, targets, t, block_v, with_entropy, interpret):
+  n, d = h.shape
+  v = w.shape[1]
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v)
+  dt = common.compute_dtype(h, w)
+  hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
+  acc = common.out_struct((n_pad, 1), jnp.float32, common.varying_axes(hp, wp, tp))
+  row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  m, s, a = pl.pallas_call(
+      functools.partial(_gpu_fwd_kernel, v=v, bv=bv, nv=v_pad // bv, with_entropy=with_entropy),
+      out_shape=(acc, acc, acc),
+      grid=(n_pad // bn,),
+      in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+                pl.BlockSpec((dp, v_pad), lambda i: (0, 0)),
+                row],
+      out_specs=(row, row, row),
+      compiler_params=_gpu_params(interpret, dp, bv),
+      interpret=interpret,
+      name="fused_logprob_fwd_gpu",
+  )(hp, wp, tp)
+  lse = (m + jnp.log(s))[:n, 0]
+  entropy = lse - (a / s)[:n, 0] if with_entropy else None
+  logp = common.target_logit(h.astype(dt), w.astype(dt), targets, t) - lse
+  return logp, entropy, lse
+
+
+def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, interpret):
+  n, d = h.shape
+  v = w.shape[1]
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v)
+  with_entropy = entropy is not None
+  dt = common.compute_dtype(h, w)
+  hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
+  shift = lse - entropy if with_entropy else jnp.zeros_like(lse)
+  rows = (tp, _col(lse, n_pad), _col(shift, n_pad), _col(g_lp, n_pad), _col(g_ent, n_pad))
+  axes = common.varying_axes(hp, wp, *rows)
+  kw = dict(v=v, bv=bv, with_entropy=with_entropy, dt=dt)
+  params = _gpu_params(interpret, dp, bv)
+
+  row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  dh = pl.pallas_call(
+      functools.partial(_gpu_dh_kernel, nv=v_pad // bv, **kw),
+      out_shape=common.out_struct((n_pad, dp), jnp.float32, axes),
+      grid=(n_pad // bn,),
+      in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+                pl.BlockSpec((dp, v_pad), lambda i: (0, 0))] + [row] * 5,
+      out_specs=pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+      compiler_params=params,
+      interpret=interpret,
+      name="fused_logprob_dh_gpu",
+  )(hp, wp, *rows)[:n, :d]
+
+  whole_rows = pl.BlockSpec((n_pad, 1), lambda j: (0, 0))
+  dw = pl.pallas_call(
+      functools.partial(_gpu_dw_kernel, bn=bn, nb=n_pad // bn, **kw),
+      out_shape=common.out_struct((dp, v_pad), jnp.float32, axes),
+      grid=(v_pad // bv,),
+      in_specs=[pl.BlockSpec((n_pad, dp), lambda j: (0, 0)),
+                pl.BlockSpec((dp, bv), lambda j: (0, j))] + [whole_rows] * 5,
+      out_specs=pl.BlockSpec((dp, bv), lambda j: (0, j)),
+      compiler_params=params,
+      interpret=interpret,
+      name="fused_logprob_dw_gpu",
+  )(hp, wp, *rows)[:d, :v]
+
+  hc, wc = h.astype(dt), w.astype(dt)
+  dh, dw = common.add_target_grads(hc, wc, targets, t, g_lp, dh, dw)
+  return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gpu_core(h, w, targets, t, bv, with_entropy, interpret):
+  logp, entropy, _ = _gpu_forward(h, w, targets, t, bv, with_entropy, interpret)
+  return logp, entropy
+
+
+def _gpu_core_fwd(h, w, targets, t, bv, with_entropy, interpret):
+  logp, entropy, lse = _gpu_forward(h, w, targets, t, bv, with_entropy, interpret)
+  return (logp, entropy), (h, w, targets, t, lse, entropy)
+
+
+def _gpu_core_bwd(bv, with_entropy, interpret, res, cts):
+  h, w, targets, t, lse, entropy = res
+  g_lp, g_ent = cts
+  if g_ent is None:
+    g_ent = jnp.zeros_like(g_lp)
+  dh, dw = _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bv, interpret)
+  return dh, dw, None, jnp.zeros_like(t)
+
+
+_gpu_core.defvjp(_gpu_core_fwd, _gpu_core_bwd)
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _core(h, w, targets, t, bn, bv, with_entropy, interpret):
   logp, entropy, _ = _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
@@ -247,16 +465,38 @@ def _default_interpret(*xs):
   return True
 
 
+_warned_wide = []
+
+
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
-                  interpret=None, block_n: int = DEFAULT_BLOCK_N):
+                  interpret=None, block_n: int = DEFAULT_BLOCK_N, layout: str | None = None):
   """`(logp [N], entropy [N] or None)`, float32; `t` is the effective temperature `[N]`.
 
-  `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`), `block_n` the token
-  block `bn`. `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where
-  Pallas has no compiled backend; None picks per backend (`_default_interpret`).
+  `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`; the `gpu` layout rounds
+  it down to a power of two and caps it by `D`), `block_n` the token block `bn` (`tpu` layout).
+  `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where Pallas has no
+  compiled backend; None picks per backend (`_default_interpret`). `layout` (`tpu` | `gpu`, see
+  the module docstring): None = `gpu` when compiling on a GPU, else `tpu`; either runs in
+  interpret mode, so the CPU tests cover both.
   """
   if interpret is None:
     interpret = _default_interpret(h, w, targets, t)
+  if layout is None:
+    layout = "gpu" if not interpret and jax.default_backend() == "gpu" else "tpu"
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown pallas fused_logprob layout {layout!r}; expected one of {LAYOUTS}")
+  if layout == "gpu":
+    block_v = DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size)
+    if _pow2_ceil(h.shape[1]) > GPU_MAX_D and not interpret:
+      if not _warned_wide:
+        _warned_wide.append(True)
+        warnings.warn(f"jaxrl: the pallas fused_logprob gpu kernels take hidden sizes up to "
+                      f"{GPU_MAX_D}; D = {h.shape[1]} runs the xla implementation",
+                      RuntimeWarning, stacklevel=3)
+      return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy,
+                               chunk_size=chunk_size)
+    h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
+    return _gpu_core(h, w, targets, t, block_v, bool(with_entropy), interpret)
   bn, bv, _ = _blocks(h.shape[0], w.shape[1], block_n,
                       DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size))
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
