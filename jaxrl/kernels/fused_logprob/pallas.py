@@ -240,11 +240,18 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def _gpu_blocks(n: int, d: int, v: int, block_v: int):
+GPU_NUM_WARPS = None  # None: 4 for tiles of <= 8K elements, else 8
+
+
+def _gpu_blocks(n: int, d: int, v: int, block_v: int, block_n: int | None = None):
   """`(dp, bn, bv, n_pad, v_pad)`: padded `D`, power-of-two tiles (>= 16, Triton's smallest dot)
-  with `bn x dp`, `dp x bv` <= 16K / 32K elements, and the padded `N`, `V`."""
+  with `bn x dp`, `dp x bv` <= 16K / 32K elements unless `block_n` is given, and the padded
+  `N`, `V`."""
   dp = max(16, _pow2_ceil(d))
-  bn = max(16, min(64, _pow2_floor(16384 // dp)))
+  if block_n is None:
+    bn = max(16, min(64, _pow2_floor(16384 // dp)))
+  else:
+    bn = max(16, _pow2_floor(block_n))
   bv = max(16, min(_pow2_floor(block_v), _pow2_floor(32768 // dp), _pow2_ceil(v)))
   return dp, bn, bv, -(-n // bn) * bn, -(-v // bv) * bv
 
@@ -253,12 +260,22 @@ def _gpu_params(interpret, dp: int, bv: int):
   if interpret:
     return None
   from jax.experimental.pallas import triton as pltriton
-  return pltriton.CompilerParams(num_warps=4 if dp * bv <= 8192 else 8, num_stages=2)
+  warps = GPU_NUM_WARPS or (4 if dp * bv <= 8192 else 8)
+  return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+
+
+def _precision(x):
+  """Triton runs f32 dots in TF32 unless asked otherwise, as XLA GPU does by default; with
+  `jax_default_matmul_precision` set to `highest` / `float32` the kernels ask for IEEE f32."""
+  if x.dtype == jnp.float32 and jax.config.jax_default_matmul_precision in ("highest",
+                                                                            "float32"):
+    return lax.Precision.HIGHEST
+  return None
 
 
 def _gpu_z(h, w, t, start, v: int, bv: int):
   """`(z [bn, bv] float32, valid [1, bv])` for the vocabulary block at column `start`."""
-  z = jnp.dot(h, w, preferred_element_type=jnp.float32) / t
+  z = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=_precision(h)) / t
   valid = (start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)) < v
   return z, valid
 
@@ -305,7 +322,7 @@ def _gpu_dh_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dh_ref
     z, valid = _gpu_z(h, w, t, start, v, bv)
     dl = _gpu_dl(z, valid, t, lse, shift, g, ent, with_entropy, dt)
     return acc + lax.dot_general(dl, w, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=_precision(dl))
 
   dh_ref[...] = lax.fori_loop(0, nv, body, jnp.zeros(dh_ref.shape, jnp.float32))
 
@@ -322,7 +339,7 @@ def _gpu_dw_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dw_ref
     dl = _gpu_dl(z, valid, t, lse_ref[rows, :], shift_ref[rows, :], g_ref[rows, :],
                  e_ref[rows, :], with_entropy, dt)
     return acc + lax.dot_general(h, dl, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=_precision(dl))
 
   dw_ref[...] = lax.fori_loop(0, nb, body, jnp.zeros(dw_ref.shape, jnp.float32))
 
@@ -335,10 +352,10 @@ def _gpu_pad(h, w, t, n_pad, dp, v_pad, dt):
   return hp, wp, tp
 
 
-def _gpu_forward(h, w, targets, t, block_v, with_entropy, interpret):
+def _gpu_forward(h, w, targets, t, block_v, block_n, with_entropy, interpret):
   n, d = h.shape
   v = w.shape[1]
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v)
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n)
   dt = common.compute_dtype(h, w)
   hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
   acc = common.out_struct((n_pad, 1), jnp.float32, common.varying_axes(hp, wp, tp))
@@ -361,10 +378,10 @@ def _gpu_forward(h, w, targets, t, block_v, with_entropy, interpret):
   return logp, entropy, lse
 
 
-def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, interpret):
+def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, interpret):
   n, d = h.shape
   v = w.shape[1]
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v)
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n)
   with_entropy = entropy is not None
   dt = common.compute_dtype(h, w)
   hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
@@ -405,23 +422,23 @@ def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, interpre
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _gpu_core(h, w, targets, t, bv, with_entropy, interpret):
-  logp, entropy, _ = _gpu_forward(h, w, targets, t, bv, with_entropy, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gpu_core(h, w, targets, t, bv, bn, with_entropy, interpret):
+  logp, entropy, _ = _gpu_forward(h, w, targets, t, bv, bn, with_entropy, interpret)
   return logp, entropy
 
 
-def _gpu_core_fwd(h, w, targets, t, bv, with_entropy, interpret):
-  logp, entropy, lse = _gpu_forward(h, w, targets, t, bv, with_entropy, interpret)
+def _gpu_core_fwd(h, w, targets, t, bv, bn, with_entropy, interpret):
+  logp, entropy, lse = _gpu_forward(h, w, targets, t, bv, bn, with_entropy, interpret)
   return (logp, entropy), (h, w, targets, t, lse, entropy)
 
 
-def _gpu_core_bwd(bv, with_entropy, interpret, res, cts):
+def _gpu_core_bwd(bv, bn, with_entropy, interpret, res, cts):
   h, w, targets, t, lse, entropy = res
   g_lp, g_ent = cts
   if g_ent is None:
     g_ent = jnp.zeros_like(g_lp)
-  dh, dw = _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bv, interpret)
+  dh, dw = _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bv, bn, interpret)
   return dh, dw, None, jnp.zeros_like(t)
 
 
@@ -469,11 +486,12 @@ _warned_wide = []
 
 
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
-                  interpret=None, block_n: int = DEFAULT_BLOCK_N, layout: str | None = None):
+                  interpret=None, block_n: int | None = None, layout: str | None = None):
   """`(logp [N], entropy [N] or None)`, float32; `t` is the effective temperature `[N]`.
 
   `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`; the `gpu` layout rounds
-  it down to a power of two and caps it by `D`), `block_n` the token block `bn` (`tpu` layout).
+  it down to a power of two and caps it by `D`), `block_n` the token block `bn` (None: 256 in
+  the `tpu` layout, sized by `D` in the `gpu` one).
   `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where Pallas has no
   compiled backend; None picks per backend (`_default_interpret`). `layout` (`tpu` | `gpu`, see
   the module docstring): None = `gpu` when compiling on a GPU, else `tpu`; either runs in
@@ -496,8 +514,8 @@ def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=No
       return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy,
                                chunk_size=chunk_size)
     h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
-    return _gpu_core(h, w, targets, t, block_v, bool(with_entropy), interpret)
-  bn, bv, _ = _blocks(h.shape[0], w.shape[1], block_n,
+    return _gpu_core(h, w, targets, t, block_v, block_n, bool(with_entropy), interpret)
+  bn, bv, _ = _blocks(h.shape[0], w.shape[1], DEFAULT_BLOCK_N if block_n is None else block_n,
                       DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size))
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
   return _core(h, w, targets, t, bn, bv, bool(with_entropy), interpret)
