@@ -190,6 +190,21 @@ def test_pallas_gpu_layout_lowers_to_triton():
       assert f'name = "{name}"' in text, name
 
 
+def test_pallas_gpu_layout_too_wide_for_shared_memory_runs_xla():
+  # D = 2048 in f32: even 16-column tiles of h and W need (16 + 16) x 2048 x 4 = 262,144 bytes
+  # of shared memory, above GPU_SMEM_BUDGET (204,800; an H100 has 232,448 for a kernel), so the
+  # compiled gpu layout runs `xla` instead (same numbers) and says why; in bf16 it fits.
+  h, w, targets, temperature, *_ = make_inputs(n=8, d=2048, v=64)
+  h = h / np.sqrt(2048)  # logits of order 1, as in a model (entropy is not cancellation-bound)
+  t = effective_temperature(temperature, 8)
+  with pytest.warns(RuntimeWarning, match="need 262144 bytes of shared memory"):
+    logp, entropy = pallas_impl.fused_logprob(h, w, targets, t, with_entropy=True, layout="gpu",
+                                              interpret=False)
+  ref_logp, ref_entropy = reference_impl.fused_logprob(h, w, targets, t, with_entropy=True)
+  assert rel_err(logp, ref_logp) < 1e-5 and rel_err(entropy, ref_entropy) < 1e-5
+  assert 32 * 2048 * 2 <= pallas_impl.GPU_SMEM_BUDGET < 32 * 2048 * 4
+
+
 def test_pallas_layout_is_checked():
   h, w, targets, temperature, _, _, _ = make_inputs()
   with pytest.raises(ValueError, match="unknown pallas fused_logprob layout 'cuda'"):

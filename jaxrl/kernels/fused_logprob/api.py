@@ -48,8 +48,9 @@ def pallas_unavailable(backend: str | None = None) -> str | None:
 
   Answered once per backend by compiling value+grad of a tiny call (a few seconds at most), so
   a failure shows up before a real step is traced, not as a lowering error inside it. Measured:
-  Mosaic TPU is the kernels' target; on an H200 with jax 0.11.2 the GPU lowering failed
-  (benchmarks/README.md), and CPU has no compiled Pallas backend at all.
+  Mosaic TPU and Triton (GPU) are the kernels' targets; on an H100 with jax 0.11.2 the GPU
+  kernels compiled and matched `reference` (benchmarks/README.md), and CPU has no compiled
+  Pallas backend at all.
   """
   backend = backend or jax.default_backend()
   n, d, v = 16, 16, 256

@@ -29,9 +29,16 @@ grid axis can accumulate; the accumulating axis becomes a `fori_loop` inside the
 
 Triton needs every tile's size to be a power of two, so `D` is zero-padded to the next power of
 two (zero columns of `h` and rows of `W` add nothing) and `V` to a multiple of `bv` (padded
-columns masked out, as above); this costs one padded copy of `W` per call. Tiles are sized so a
-program's `h` rows, `W` block and accumulator stay within ~128 KiB each; `D` above
-`GPU_MAX_D` (2048) runs the `xla` implementation instead, with a one-time warning.
+columns masked out, as above); this costs one padded copy of `W` per call. Tiles are sized in
+bytes: `bn x D` <= 64 KiB and `D x bv` <= 128 KiB, and a shape whose smallest tiles (16 x D and
+D x 16) would need more than `GPU_SMEM_BUDGET` of shared memory (measured on an H100: about
+`(bn + bv) x D x itemsize`, of 227 KiB) runs the `xla` implementation instead, with a one-time
+warning: `D` up to 1024 in f32, 2048 in bf16.
+
+Measured on an H100 (benchmarks/README.md, "On a GPU"): correct (the kernel tests pass there
+with `jax_default_matmul_precision=highest`), but at Qwen2.5-0.5B size slower than `xla` (3.7x
+in bf16, 16x in f32: a whole `[bn, D]` row block per program means small dots), so `xla`
+stays the default on GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ DEFAULT_BLOCK_V = 512
 
 
 LAYOUTS = ("tpu", "gpu")
-GPU_MAX_D = 2048
+GPU_SMEM_BUDGET = 200 * 1024
 
 
 def _compiler_params(interpret):
@@ -243,16 +250,18 @@ def _pow2_floor(x: int) -> int:
 GPU_NUM_WARPS = None  # None: 4 for tiles of <= 8K elements, else 8
 
 
-def _gpu_blocks(n: int, d: int, v: int, block_v: int, block_n: int | None = None):
+def _gpu_blocks(n: int, d: int, v: int, block_v: int, block_n: int | None = None,
+                itemsize: int = 4):
   """`(dp, bn, bv, n_pad, v_pad)`: padded `D`, power-of-two tiles (>= 16, Triton's smallest dot)
-  with `bn x dp`, `dp x bv` <= 16K / 32K elements unless `block_n` is given, and the padded
-  `N`, `V`."""
+  of `bn x dp` <= 64 KiB (unless `block_n` is given) and `dp x bv` <= 128 KiB in `itemsize`
+  bytes, and the padded `N`, `V`."""
   dp = max(16, _pow2_ceil(d))
   if block_n is None:
-    bn = max(16, min(64, _pow2_floor(16384 // dp)))
+    bn = max(16, min(64, _pow2_floor((64 << 10) // (dp * itemsize))))
   else:
     bn = max(16, _pow2_floor(block_n))
-  bv = max(16, min(_pow2_floor(block_v), _pow2_floor(32768 // dp), _pow2_ceil(v)))
+  bv = max(16, min(_pow2_floor(block_v), _pow2_floor((128 << 10) // (dp * itemsize)),
+                   _pow2_ceil(v)))
   return dp, bn, bv, -(-n // bn) * bn, -(-v // bv) * bv
 
 
@@ -355,8 +364,8 @@ def _gpu_pad(h, w, t, n_pad, dp, v_pad, dt):
 def _gpu_forward(h, w, targets, t, block_v, block_n, with_entropy, interpret):
   n, d = h.shape
   v = w.shape[1]
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n)
   dt = common.compute_dtype(h, w)
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n, jnp.dtype(dt).itemsize)
   hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
   acc = common.out_struct((n_pad, 1), jnp.float32, common.varying_axes(hp, wp, tp))
   row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
@@ -381,9 +390,9 @@ def _gpu_forward(h, w, targets, t, block_v, block_n, with_entropy, interpret):
 def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, interpret):
   n, d = h.shape
   v = w.shape[1]
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n)
   with_entropy = entropy is not None
   dt = common.compute_dtype(h, w)
+  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n, jnp.dtype(dt).itemsize)
   hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
   shift = lse - entropy if with_entropy else jnp.zeros_like(lse)
   rows = (tp, _col(lse, n_pad), _col(shift, n_pad), _col(g_lp, n_pad), _col(g_ent, n_pad))
@@ -505,12 +514,15 @@ def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=No
     raise ValueError(f"unknown pallas fused_logprob layout {layout!r}; expected one of {LAYOUTS}")
   if layout == "gpu":
     block_v = DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size)
-    if _pow2_ceil(h.shape[1]) > GPU_MAX_D and not interpret:
+    itemsize = jnp.dtype(common.compute_dtype(h, w)).itemsize
+    smem = 32 * max(16, _pow2_ceil(h.shape[1])) * itemsize  # the smallest tiles: 16 + 16 columns
+    if smem > GPU_SMEM_BUDGET and not interpret:
       if not _warned_wide:
         _warned_wide.append(True)
-        warnings.warn(f"jaxrl: the pallas fused_logprob gpu kernels take hidden sizes up to "
-                      f"{GPU_MAX_D}; D = {h.shape[1]} runs the xla implementation",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"jaxrl: the pallas fused_logprob gpu kernels' smallest tiles for D = "
+                      f"{h.shape[1]} in {jnp.dtype(common.compute_dtype(h, w)).name} need "
+                      f"{smem} bytes of shared memory (budget {GPU_SMEM_BUDGET}); running the "
+                      f"xla implementation", RuntimeWarning, stacklevel=3)
       return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy,
                                chunk_size=chunk_size)
     h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
