@@ -89,7 +89,66 @@ STEP_WINDOW = (2, 20)  # steps whose median is the per-step time (step 1 compile
 # Steps after it: completions have shortened by then, which TRL's padded-to-the-longest shapes
 # follow and jaxrl's fixed shapes do not.
 LATE_FROM = 21
-TARGETS = {"step_time": 0.6, "wall_warm": 0.7, "wall_cold": 1.0, "peak_rss": 1.1}
+TARGETS = {"step_time": 0.6, "wall_warm": 0.7, "wall_cold": 1.0, "peak_rss": 1.1,
+           "flops_fraction": 0.5}
+PEAK_MATMUL_N = 2048  # the one large f32 matmul that stands for this machine's peak
+
+
+def train_step_flops(params: int, share_prompts: bool = True) -> dict:
+  """FLOPs of one jaxrl train step on this workload by issue 22's formula: 6 x params x tokens
+  (forward and backward of every weight once per position), plus causal attention.
+
+  Positions are those the step computes: with `train.share_prompts` (the recipe's default) each
+  group's 7-token prompt once and its 8 completions of 16 tokens, 8 x 7 + 64 x 16 = 1,080; else
+  64 x (7 + 16) = 1,472. Attention per layer and position: q.k and p.v over the positions it sees,
+  2 x 2 x (heads x head_dim) FLOPs per key forward, x 3 with the backward. It counts the work the
+  step must do, not what it happens to do (a separate log-prob pass, padding), so a step that
+  wastes work scores lower.
+  """
+  p, g, n = GRPO["prompts"], GRPO["group_size"], GRPO["max_new_tokens"]
+  lp = MAX_PROMPT_TOKENS
+  rows = p * g
+  positions = p * lp + rows * n if share_prompts else rows * (lp + n)
+  # Keys each position attends to (itself included): prompt i sees i keys, completion j sees
+  # lp + j.
+  prompt_keys = sum(range(1, lp + 1)) * (p if share_prompts else rows)
+  completion_keys = rows * sum(lp + j for j in range(1, n + 1))
+  width = MODEL["hidden_size"]  # heads x head_dim = 4 x 32
+  attention = 3 * 2 * 2 * width * (prompt_keys + completion_keys) * MODEL["num_hidden_layers"]
+  dense = 6 * params * positions
+  return {"positions": positions, "dense_flops": dense, "attention_flops": attention,
+          "flops": dense + attention,
+          "formula": "6 x params x positions + 12 x (heads x head_dim) x attended keys x layers"}
+
+
+def matmul_peak(n: int = PEAK_MATMUL_N, runs: int = 7) -> dict:
+  """This machine's f32 matmul rate as JAX reaches it: one jitted n x n x n product, the best
+  and the median of `runs` timed calls after one warm-up (run under the jaxrl Python)."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  jax.block_until_ready(f(a, b))
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(a, b))
+    times.append(time.perf_counter() - t0)
+  flops = 2 * n ** 3
+  return {"n": n, "flops": flops, "best_s": min(times), "median_s": statistics.median(times),
+          "gflops_best": flops / min(times) / 1e9,
+          "gflops_median": flops / statistics.median(times) / 1e9,
+          "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+def measure_peak(args) -> dict:
+  """`matmul_peak` in a fresh jaxrl-Python process (this process never imports jax)."""
+  cmd = [args.jaxrl_python, os.path.abspath(__file__), "matmul-peak"]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  if done.returncode != 0:
+    return {"error": done.stderr[-2000:], "command": shlex.join(cmd)}
+  return json.loads(done.stdout.strip().splitlines()[-1]) | {"command": shlex.join(cmd)}
 
 
 def log(*a):
@@ -359,10 +418,14 @@ def trl_run(args, model_dir: str, work: str, tag: str, seed: int) -> dict:
 
 def jaxrl_command(args, model_dir: str, run_dir: str, cache: str, lag: int,
                   seed: int) -> list[str]:
+  # At lag 0 nothing on this workload reads the sampler's log-probs (no correction, no rollout
+  # KL, the PPO ratio is against the trainer's own), and TRL does not keep them: jaxrl is told
+  # so. At lag 1 the ratio is taken against them (loss.ratio_base=auto), so they stay on.
+  logprobs = [] if lag else ["--config.rollout.logprobs=false"]
   return [args.jaxrl_python, "-m", "jaxrl.train", "--config", RECIPE,
           f"--config.model.hf_path={model_dir}", f"--config.run_dir={run_dir}",
           f"--config.compile_cache={cache}", f"--config.rollout.lag={lag}",
-          f"--config.train.steps={args.steps}", f"--config.seed={seed}"]
+          f"--config.train.steps={args.steps}", f"--config.seed={seed}", *logprobs]
 
 
 def jaxrl_run(args, model_dir: str, work: str, tag: str, cache: str, lag: int, seed: int) -> dict:
@@ -408,8 +471,9 @@ DIFFERENCES = [
     "train step layout: jaxrl runs each group's prompt once (train.share_prompts, default on; "
     "the same function) in one micro-batch (train.num_microbatches=1); TRL runs the 64 full rows "
     "in one pass (gradient_accumulation_steps=1)",
-    "extra work jaxrl does every step: the sampler's log-probs are kept (rollout.logprobs) and "
-    "train/sampler mismatch metrics computed; TRL generates without log-probs",
+    "sampler log-probs: TRL generates without them; jaxrl keeps none at lag 0 "
+    "(--config.rollout.logprobs=false: nothing reads them there) and keeps them at lag 1, where "
+    "the PPO ratio is taken against them, with train/sampler mismatch metrics every step",
     "PPO ratio at lag 0: both take it against the trainer's own log-probs before the update "
     "(ratio 1, num_iterations=1); jaxrl lag 1 (no TRL equivalent: TRL has no forced lag) trains "
     "on rollouts one update old, the ratio and its clip taken against the sampler's log-probs "
@@ -487,6 +551,25 @@ def summarise(runs: list[dict], lags: list[int]) -> dict:
   return {"medians": table, "ratios_jaxrl_over_trl": ratios, "targets_met": targets}
 
 
+def train_flops_report(result: dict, params: int, peaks: list[dict], lags: list[int]) -> dict:
+  """The train step's achieved FLOP/s (`train_step_flops` over the median train time of steps
+  2-20, cold and warm runs pooled) against the best f32 matmul rate measured at the start and the
+  end of this invocation."""
+  step = train_step_flops(params)
+  rates = [p["gflops_best"] for p in peaks if "gflops_best" in p]
+  peak = max(rates) if rates else None
+  out = {"per_step": step, "matmul_peak_gflops": peak, "matmul_runs": peaks}
+  for lag in lags:
+    ts = [r.get("train_median_s") for r in result["runs"]
+          if r["side"] == "jaxrl" and r.get("lag") == lag and "error" not in r]
+    t = median(ts)
+    if t:
+      gflops = step["flops"] / t / 1e9
+      out[f"lag{lag}"] = {"train_median_s": t, "gflops": gflops,
+                          "fraction_of_peak": None if not peak else gflops / peak}
+  return out
+
+
 def _met(value, bar):
   return None if value is None else value <= bar
 
@@ -532,6 +615,8 @@ def main(argv=None) -> None:
   started = datetime.datetime.now().isoformat(timespec="seconds")
   info = machine()
   runs = []
+  peaks = [measure_peak(args)]
+  log(f"vs_trl: f32 matmul {PEAK_MATMUL_N}^3: {peaks[0].get('gflops_best', 0):.1f} GFLOP/s best")
 
   def record(r):
     runs.append(r)
@@ -558,6 +643,8 @@ def main(argv=None) -> None:
     for part in ((trl_part, jaxrl_part) if pair % 2 == 0 else (jaxrl_part, trl_part)):
       part()
 
+  peaks.append(measure_peak(args))
+  log(f"vs_trl: f32 matmul {PEAK_MATMUL_N}^3: {peaks[1].get('gflops_best', 0):.1f} GFLOP/s best")
   example_jaxrl = jaxrl_command(args, "<model>", "<run_dir>", "<fresh cache dir>", 0, args.seed)
   result = {
       "benchmark": "vs_trl", "date": started, "machine": info,
@@ -573,12 +660,20 @@ def main(argv=None) -> None:
       "reward_window": list(tail_window(args.steps)),
       **summarise(runs, lags), "differences": DIFFERENCES, "runs": runs,
   }
+  result["train_flops"] = train_flops_report(result, model_info["params"], peaks, lags)
+  for lag in lags:
+    frac = result["train_flops"].get(f"lag{lag}", {}).get("fraction_of_peak")
+    result["targets_met"][f"lag{lag}"][f"train FLOP/s >= {TARGETS['flops_fraction']} x matmul "
+                                        f"peak"] = (None if frac is None
+                                                    else frac >= TARGETS["flops_fraction"])
   print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "make-model":
     print(json.dumps(make_model(sys.argv[2])))
+  elif len(sys.argv) > 1 and sys.argv[1] == "matmul-peak":
+    print(json.dumps(matmul_peak()))
   elif len(sys.argv) > 1 and sys.argv[1] == "trl-worker":
     w = argparse.ArgumentParser()
     w.add_argument("--model", required=True)

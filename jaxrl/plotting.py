@@ -120,8 +120,14 @@ def draw(runs: Mapping[str, Sequence[dict]], panels: Sequence[Panel] = CURVES,
   ncols = min(3, n)
   nrows = math.ceil(n / ncols)
   multi = len(runs) > 1
-  fig = Figure(figsize=(4.4 * ncols, 3.2 * nrows + (0.5 if multi else 0.3)), dpi=100,
-               layout="constrained")
+  width, height = 4.4 * ncols, 3.2 * nrows + (0.5 if multi else 0.3)
+  # Fixed margins in inches rather than layout="constrained", which measured ~0.4 s of a
+  # ~0.8 s save of the run chart on the 2-core CPU (paid at the end of every run).
+  bottom_in = 0.55 + (0.45 if multi else 0.0)
+  top_in = 0.55 if title else 0.3
+  fig = Figure(figsize=(width, height), dpi=100)
+  fig.subplots_adjust(left=0.75 / width, right=1 - 0.2 / width, bottom=bottom_in / height,
+                      top=1 - top_in / height, wspace=0.32, hspace=0.5)
   axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
   for ax in axes[n:]:
     ax.remove()
@@ -160,8 +166,8 @@ def draw(runs: Mapping[str, Sequence[dict]], panels: Sequence[Panel] = CURVES,
   if multi:
     handles = [Line2D([], [], color=COLORS[r % len(COLORS)], linewidth=2)
                for r in range(len(runs))]
-    fig.legend(handles, list(runs), loc="outside lower center", ncols=min(len(runs), 4),
-               fontsize=9)
+    fig.legend(handles, list(runs), loc="lower center", ncols=min(len(runs), 4), fontsize=9,
+               frameon=False)
   if title:
     fig.suptitle(title)
   return fig
