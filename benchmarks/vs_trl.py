@@ -31,7 +31,9 @@ the run's own records: step 1's time, the median step time over steps 2-20 and o
 (by then completions have shortened: TRL's shapes follow the longest completion of the batch,
 jaxrl's stay fixed), the rollout / train split (medians over the same windows), the time spent
 outside steps after the first (per-step logging, the run's end, exit), and the mean `partial`
-reward and completion length in characters over the last 10 steps (91-100). Runs alternate
+reward and completion length in characters over the last 10 steps (91-100). The train step's
+achieved FLOP/s (`train_step_flops` over its median train time) is set against this machine's
+f32 matmul rate, one jitted 2048^3 product timed at the start and the end (`matmul_peak`). Runs alternate
 (TRL first in even pairs, jaxrl first in odd ones) so drift in this shared machine's speed does
 not favour one side. Prints ONE JSON object on stdout (progress on stderr): every run, medians
 over pairs, the jaxrl / TRL ratios against issue 22's targets, the differences between the two
