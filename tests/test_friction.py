@@ -336,6 +336,29 @@ def test_an_unusable_compile_cache_directory_is_a_config_error(tmp_path):
   assert not (tmp_path / "new").exists()  # validation creates nothing
 
 
+def test_cpu_opt_level_goes_into_xla_flags_unless_they_name_one():
+  flag = compile_cache.OPT_LEVEL_FLAG
+  assert compile_cache.xla_flags_with_opt_level("", 1) == f"{flag}=1"
+  assert (compile_cache.xla_flags_with_opt_level("--xla_cpu_max_isa=AVX2", 2)
+          == f"--xla_cpu_max_isa=AVX2 {flag}=2")
+  assert compile_cache.xla_flags_with_opt_level(f"{flag}=3", 1) is None  # the user's wins
+  assert compile_cache.xla_flags_with_opt_level("", -1) is None  # XLA's default
+  # Only where JAX can run on nothing but the CPU: an explicit platform list decides.
+  assert compile_cache.cpu_only({"JAX_PLATFORMS": "cpu"})
+  assert not compile_cache.cpu_only({"JAX_PLATFORMS": "cuda,cpu"})
+  assert not compile_cache.cpu_only({"JAX_PLATFORMS": "tpu"})
+
+
+def test_cpu_opt_level_is_range_checked():
+  cfg = get_config()
+  assert cfg.xla_cpu_opt_level == 1
+  cfg.xla_cpu_opt_level = 4
+  with pytest.raises(config.ConfigError) as info:
+    config.validate(cfg, 8)
+  assert any("config.xla_cpu_opt_level" in p and "[-1, 3]" in p for p in info.value.problems), \
+      info.value.problems
+
+
 @pytest.mark.slow  # two whole tiny runs through the CLI (~60 s on 2 busy cores)
 def test_a_second_run_loads_every_program_from_the_compile_cache(tmp_path):
   cache = tmp_path / "xla"
