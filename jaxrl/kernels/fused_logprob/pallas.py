@@ -431,48 +431,33 @@ def _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n,
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _gpu_core(h, w, targets, t, bv, bn, with_entropy, interpret):
-  logp, entropy, _ = _gpu_forward(h, w, targets, t, bv, bn, with_entropy, interpret)
-  return logp, entropy
-
-
-def _gpu_core_fwd(h, w, targets, t, bv, bn, with_entropy, interpret):
-  logp, entropy, lse = _gpu_forward(h, w, targets, t, bv, bn, with_entropy, interpret)
-  return (logp, entropy), (h, w, targets, t, lse, entropy)
-
-
-def _gpu_core_bwd(bv, bn, with_entropy, interpret, res, cts):
-  h, w, targets, t, lse, entropy = res
-  g_lp, g_ent = cts
-  if g_ent is None:
-    g_ent = jnp.zeros_like(g_lp)
-  dh, dw = _gpu_backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bv, bn, interpret)
-  return dh, dw, None, jnp.zeros_like(t)
-
-
-_gpu_core.defvjp(_gpu_core_fwd, _gpu_core_bwd)
-
-
 # ---- dispatch ------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _core(h, w, targets, t, bn, bv, with_entropy, interpret):
-  logp, entropy, _ = _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
+def _fwd(layout, h, w, targets, t, bn, bv, with_entropy, interpret):
+  if layout == "gpu":  # bn may be None there (sized by D)
+    return _gpu_forward(h, w, targets, t, bv, bn, with_entropy, interpret)
+  return _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _core(h, w, targets, t, layout, bn, bv, with_entropy, interpret):
+  logp, entropy, _ = _fwd(layout, h, w, targets, t, bn, bv, with_entropy, interpret)
   return logp, entropy
 
 
-def _core_fwd(h, w, targets, t, bn, bv, with_entropy, interpret):
-  logp, entropy, lse = _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
+def _core_fwd(h, w, targets, t, layout, bn, bv, with_entropy, interpret):
+  logp, entropy, lse = _fwd(layout, h, w, targets, t, bn, bv, with_entropy, interpret)
   return (logp, entropy), (h, w, targets, t, lse, entropy)
 
 
-def _core_bwd(bn, bv, with_entropy, interpret, res, cts):
+def _core_bwd(layout, bn, bv, with_entropy, interpret, res, cts):
   h, w, targets, t, lse, entropy = res
   g_lp, g_ent = cts
   if g_ent is None:
     g_ent = jnp.zeros_like(g_lp)
-  dh, dw = _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret)
+  backward = _gpu_backward if layout == "gpu" else _backward
+  args = (bv, bn) if layout == "gpu" else (bn, bv)
+  dh, dw = backward(h, w, targets, t, lse, entropy, g_lp, g_ent, *args, interpret)
   return dh, dw, None, jnp.zeros_like(t)
 
 
@@ -526,8 +511,8 @@ def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=No
       return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy,
                                chunk_size=chunk_size)
     h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
-    return _gpu_core(h, w, targets, t, block_v, block_n, bool(with_entropy), interpret)
+    return _core(h, w, targets, t, "gpu", block_n, block_v, bool(with_entropy), interpret)
   bn, bv, _ = _blocks(h.shape[0], w.shape[1], DEFAULT_BLOCK_N if block_n is None else block_n,
                       DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size))
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
-  return _core(h, w, targets, t, bn, bv, bool(with_entropy), interpret)
+  return _core(h, w, targets, t, "tpu", bn, bv, bool(with_entropy), interpret)
