@@ -499,13 +499,13 @@ def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=No
     raise ValueError(f"unknown pallas fused_logprob layout {layout!r}; expected one of {LAYOUTS}")
   if layout == "gpu":
     block_v = DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size)
-    itemsize = jnp.dtype(common.compute_dtype(h, w)).itemsize
-    smem = 32 * max(16, _pow2_ceil(h.shape[1])) * itemsize  # the smallest tiles: 16 + 16 columns
+    dt = jnp.dtype(common.compute_dtype(h, w))
+    smem = 32 * max(16, _pow2_ceil(h.shape[1])) * dt.itemsize  # smallest tiles: 16 + 16 columns
     if smem > GPU_SMEM_BUDGET and not interpret:
       if not _warned_wide:
         _warned_wide.append(True)
         warnings.warn(f"jaxrl: the pallas fused_logprob gpu kernels' smallest tiles for D = "
-                      f"{h.shape[1]} in {jnp.dtype(common.compute_dtype(h, w)).name} need "
+                      f"{h.shape[1]} in {dt.name} need "
                       f"{smem} bytes of shared memory (budget {GPU_SMEM_BUDGET}); running the "
                       f"xla implementation", RuntimeWarning, stacklevel=3)
       return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy,
