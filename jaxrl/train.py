@@ -184,6 +184,24 @@ def _leave(message: str | None, e: BaseException | None) -> None:
   os._exit(1)
 
 
+def _tune_process(cfg, problems: list[str]) -> None:
+  """Process-wide settings from `cfg`, before `_validate` starts a backend (XLA reads its
+  flags once, then): the CPU compile level and fusion emitters, and the host allocator. Nothing
+  when the config already has problems (they are reported first)."""
+  if problems:
+    return
+  from jaxrl import compile_cache, host_memory
+
+  level = cfg.get("xla_cpu_opt_level")
+  if type(level) is int and -1 <= level <= 3:
+    compile_cache.set_cpu_opt_level(level)
+  emitters = cfg.get("xla_cpu_fusion_emitters")
+  if type(emitters) is bool:
+    compile_cache.set_cpu_fusion_emitters(emitters)
+  if cfg.get("host_malloc_tuning") is True:
+    host_memory.keep_freed()
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f"jaxrl: unexpected arguments {argv[1:]}: a recipe is given as --config path.py and "
@@ -198,11 +216,7 @@ def main(argv: list[str]) -> None:
     cfg = config_lib.parse_overrides(config_lib.load_recipe(_CONFIG.value or DEFAULT_CONFIG),
                                      _OVERRIDES, problems)
     debug = _debug_requested(_OVERRIDES, cfg)
-    level = cfg.get("xla_cpu_opt_level")
-    if not problems and type(level) is int and -1 <= level <= 3:
-      from jaxrl import compile_cache
-      # Before `_validate` starts a backend: XLA reads its flags once, then.
-      compile_cache.set_cpu_opt_level(level)
+    _tune_process(cfg, problems)
     mesh_shape = _validate(cfg, problems)
   except Exception as e:
     _exit_if_user_error(e, debug)

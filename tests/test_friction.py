@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import compile_cache, config, metrics, profiling
+from jaxrl import compile_cache, config, host_memory, metrics, profiling
 from jaxrl.configs.default import get_config
 from jaxrl.data.sources import CheckedSource, RowProblem, TooManySkipped
 from jaxrl.envs.base import Task
@@ -357,6 +357,46 @@ def test_cpu_opt_level_is_range_checked():
     config.validate(cfg, 8)
   assert any("config.xla_cpu_opt_level" in p and "[-1, 3]" in p for p in info.value.problems), \
       info.value.problems
+
+
+def test_cpu_fusion_emitters_off_goes_into_xla_flags_unless_they_name_it():
+  flag = compile_cache.FUSION_EMITTERS_FLAG
+  assert compile_cache.xla_flags_with_fusion_emitters("", False) == f"{flag}=false"
+  assert (compile_cache.xla_flags_with_fusion_emitters("--xla_cpu_max_isa=AVX2", False)
+          == f"--xla_cpu_max_isa=AVX2 {flag}=false")
+  assert compile_cache.xla_flags_with_fusion_emitters(f"{flag}=true", False) is None  # user's
+  assert compile_cache.xla_flags_with_fusion_emitters("", True) is None  # XLA's default
+  assert get_config().xla_cpu_fusion_emitters is False
+  # Set only where the installed XLA defines the flag (it aborts on one it does not know).
+  assert compile_cache.xla_knows_flag(compile_cache.OPT_LEVEL_FLAG)
+  assert compile_cache.xla_knows_flag(flag)  # jaxlib 0.10's XLA has it
+  assert not compile_cache.xla_knows_flag("--xla_cpu_no_such_flag_anywhere")
+
+
+def test_process_keys_are_bools_from_the_command_line():
+  cfg = config.parse_overrides(get_config(), ["--config.xla_cpu_fusion_emitters=true",
+                                              "--config.host_malloc_tuning=0"])
+  assert cfg.xla_cpu_fusion_emitters is True and cfg.host_malloc_tuning is False
+  with pytest.raises(config.ConfigError) as info:
+    config.parse_overrides(get_config(), ["--config.xla_cpu_fusion_emitters=off"])
+  assert any("xla_cpu_fusion_emitters" in p and "expected bool" in p
+             for p in info.value.problems), info.value.problems
+
+
+def test_host_malloc_tuning_yields_to_the_users_settings():
+  assert get_config().host_malloc_tuning is True
+  for env in ({"MALLOC_MMAP_THRESHOLD_": "65536"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
+              {"MALLOC_TOP_PAD_": "1"}, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}):
+    assert host_memory.user_tuned(env)
+    assert host_memory.keep_freed(env=env) is False  # nothing set: the user's settings stand
+  assert not host_memory.user_tuned({"GLIBC_TUNABLES": "glibc.rtld.nns=2"})
+  # On glibc the thresholds are set (mallopt accepted both); elsewhere nothing happens.
+  import ctypes
+  try:
+    glibc = hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+  except OSError:
+    glibc = False
+  assert host_memory.keep_freed(env={}) is (glibc and sys.platform.startswith("linux"))
 
 
 @pytest.mark.slow  # two whole tiny runs through the CLI (~60 s on 2 busy cores)

@@ -103,6 +103,39 @@ def test_values_and_grads_match_reference(impl):
   assert np.abs(np.asarray(g[0])[mask]).max() > 1e-3
 
 
+def test_xla_one_chunk_vocabulary_matches_reference():
+  # V <= chunk: the xla kernel has no loop and reads the target logit (and puts its gradient)
+  # through a one-hot mask instead of a gather / scatter-add. Values and gradients as the dense
+  # reference, a padding target (-1) and one past V included (both pick 0 and get no one-hot
+  # gradient).
+  h, w, targets, temperature, rollout, mask, weights = make_inputs(v=16)
+  targets = targets.at[0].set(-1).at[1].set(16)
+  args = (h, w, targets, temperature, rollout, mask, weights)
+
+  def run(impl):
+    def loss(hh, ww):
+      o = fused_logprob(hh, ww, targets, temperature=temperature, with_entropy=True, impl=impl,
+                        chunk_size=64)
+      return jnp.sum(weights[0] * o.logp) + jnp.sum(weights[1] * o.entropy), o
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(*args[:2])
+
+  (ref_loss, ref), ref_g = run("reference")
+  (loss, out), g = run("xla")
+  assert rel_err(out.logp, ref.logp) < 1e-6 and rel_err(out.entropy, ref.entropy) < 1e-6
+  assert rel_err(loss, ref_loss) < 1e-6
+  for gi, ri in zip(g, ref_g):
+    assert rel_err(gi, ri) < 1e-5
+  # The out-of-range targets: logp = 0 - lse, i.e. minus the row's logsumexp.
+  z = np.asarray(h @ w, np.float64) / np.asarray(temperature)[:, None]
+  lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+  np.testing.assert_allclose(np.asarray(out.logp)[:2], -lse[:2], rtol=1e-5)
+  # And the lowered value+grad has no scatter (the one-hot path is the one that ran).
+  hlo = jax.jit(jax.grad(lambda hh, ww: fused_logprob(hh, ww, targets, impl="xla",
+                                                      chunk_size=64).logp.sum(), (0, 1))
+                ).lower(h, w).as_text()
+  assert "scatter" not in hlo and "gather" not in hlo
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_scalar_temperature_and_greedy(impl):
   h, w, targets, *_ = make_inputs()

@@ -9,7 +9,7 @@ from flax import nnx
 from conftest import tiny_model_config
 from jaxrl.models import KVCache, init_model
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.models.transformer import left_positions
+from jaxrl.models.transformer import ONE_HOT_EMBED_MAX_VOCAB, embed_lookup, left_positions
 from jaxrl.rollout.sampler import make_sampler
 
 VARIANTS = {
@@ -227,3 +227,21 @@ def test_remat_changes_no_loss_or_gradient(scan):
 def test_remat_config_is_checked():
   with pytest.raises(ValueError, match="remat='some'"):
     tiny_model_config(remat="some")
+
+
+@pytest.mark.parametrize("v", [16, ONE_HOT_EMBED_MAX_VOCAB, ONE_HOT_EMBED_MAX_VOCAB + 1])
+def test_embed_lookup_is_the_gather_with_its_gradient(v):
+  # Small vocabularies embed by a one-hot matmul (no scatter-add in the gradient), larger ones
+  # by a gather; both give exactly the table's rows, and the same table gradient (repeated
+  # tokens summed) up to summation order.
+  k = jax.random.split(jax.random.key(0), 3)
+  table = jax.random.normal(k[0], (v, 8))
+  tokens = jax.random.randint(k[1], (3, 5), 0, v).at[0, :2].set(v - 1)  # repeats, last row
+  cot = jax.random.normal(k[2], (3, 5, 8))
+  np.testing.assert_array_equal(embed_lookup(table, tokens), table[tokens])
+  g = jax.grad(lambda t: jnp.sum(embed_lookup(t, tokens) * cot))(table)
+  want = np.zeros((v, 8))
+  np.add.at(want, np.asarray(tokens).ravel(), np.asarray(cot).reshape(-1, 8))
+  np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+  hlo = jax.jit(lambda t: embed_lookup(t, tokens)).lower(table).as_text()
+  assert ("gather" in hlo) == (v > ONE_HOT_EMBED_MAX_VOCAB)

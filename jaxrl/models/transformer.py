@@ -210,6 +210,24 @@ def config_inv_freq(cfg: ModelConfig) -> jax.Array:
                        cfg.rope_original_max_positions)
 
 
+# Vocabularies up to this size embed tokens as a one-hot matmul instead of a gather: the
+# gather's gradient is a scatter-add, which XLA's CPU backend (with its LLVM IR fusion emitters,
+# `xla_cpu_fusion_emitters=False`) runs one token at a time (~1 us each); the matmul costs
+# 2 V D FLOPs per token, small next to a layer's at this size.
+ONE_HOT_EMBED_MAX_VOCAB = 256
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """`table[tokens]` (`table` `[V, D]`, `tokens` int `[...]`): a one-hot matmul for
+  `V <= ONE_HOT_EMBED_MAX_VOCAB`, at full precision (it picks rows exactly: x 1 and + 0), else a
+  gather. Tokens are in `[0, V)`."""
+  v = table.shape[0]
+  if v > ONE_HOT_EMBED_MAX_VOCAB:
+    return table[tokens]
+  one_hot = (tokens[..., None] == jnp.arange(v, dtype=tokens.dtype)).astype(table.dtype)
+  return jnp.einsum("...v,vd->...d", one_hot, table, precision=jax.lax.Precision.HIGHEST)
+
+
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   """x: [B, T, H, Dh], positions: [B, T], inv_freq: [Dh/2] (`rope_inv_freq`). Non-interleaved
   halves, as in HF Llama/Qwen."""
@@ -319,7 +337,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     B, T = tokens.shape
-    x = constrain_rows(self.embed[...].astype(dt)[tokens])
+    x = constrain_rows(embed_lookup(self.embed[...].astype(dt), tokens))
 
     if cache is not None:
       # Under a training mesh the cache is split like the rows that fill it (a no-op otherwise;

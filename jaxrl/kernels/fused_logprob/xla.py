@@ -16,7 +16,9 @@ chunk's logits from `lse` instead of storing them:
     dl = dz / t ;  dh += dl @ W_k^T ;  dW[:, cols_k] = h^T @ dl
 
 so the live memory is a few `[N, c]` chunk buffers, `dh [N, D]` and `dW [D, V]`. The one-hot
-part is a gather / scatter-add outside the loop (`common.add_target_grads`).
+part is a gather / scatter-add outside the loop (`common.add_target_grads`), except when the
+whole vocabulary is one chunk (`V <= c`): then there is no loop, and the target logit and its
+gradient go through a one-hot mask of the `[N, V]` logits, with no gather or scatter at all.
 
 Ragged last chunk: when `c` does not divide `V`, the last chunk starts at `V - c` (it overlaps the
 previous one) and its already-covered columns are masked out of every sum. This reads only real
@@ -62,11 +64,32 @@ def _logits(h, wc, t):
   return jnp.dot(h, wc, preferred_element_type=jnp.float32) / t[:, None]
 
 
+def _one_hot(targets, v: int):
+  """`[N, V]` bool: column == target (all False for a target outside `[0, V)`)."""
+  return jnp.arange(v, dtype=jnp.int32)[None, :] == targets[:, None]
+
+
+def _forward_one_chunk(h, w, targets, t, with_entropy: bool):
+  """The whole vocabulary as one chunk (V <= chunk size): the logits are there, so the target
+  logit is read off them through a one-hot mask instead of a gathered column (a gather, and a
+  scatter-add in the backward, which XLA's CPU backend may run one index at a time)."""
+  z = _logits(h, w, t)
+  m = jnp.max(z, axis=1)
+  e = jnp.exp(z - m[:, None])
+  s = jnp.sum(e, axis=1)
+  lse = m + jnp.log(s)
+  logp = jnp.sum(jnp.where(_one_hot(targets, w.shape[1]), z, 0.0), axis=1) - lse
+  entropy = lse - jnp.sum(e * z, axis=1) / s if with_entropy else None
+  return logp, entropy, lse
+
+
 def _forward(h, w, targets, t, chunk_size: int, with_entropy: bool):
   n, v = h.shape[0], w.shape[1]
   c, k = _plan(v, chunk_size)
   dt = common.compute_dtype(h, w)
   h, w = h.astype(dt), w.astype(dt)
+  if k == 1:
+    return _forward_one_chunk(h, w, targets, t, with_entropy)
 
   def body(i, carry):
     m, s, a = carry
@@ -98,6 +121,17 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, chunk_size: int):
   hc, wcast = h.astype(dt), w.astype(dt)
   # `z - lse + H = z - shift`; the entropy term is absent when entropy was not requested.
   shift = None if entropy is None else lse - entropy
+  if k == 1:  # one chunk: the one-hot part inside `dz`, no gather or scatter-add
+    z = _logits(hc, wcast, t)
+    p = jnp.exp(z - lse[:, None])
+    coef = g_lp[:, None]
+    if shift is not None:
+      coef = coef + g_ent[:, None] * (z - shift[:, None])
+    g = jnp.where(_one_hot(targets, v), g_lp[:, None], 0.0)
+    dl = ((g - p * coef) / t[:, None]).astype(dt)
+    dh = lax.dot_general(dl, wcast, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = lax.dot_general(hc, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
 
   def body(i, carry):
     dh, dw = carry
