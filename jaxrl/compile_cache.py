@@ -134,7 +134,9 @@ def xla_knows_flag(flag: str) -> bool:
   spec = importlib.util.find_spec("jaxlib")
   if spec is None or not spec.submodule_search_locations:
     return False
-  name = flag.lstrip("-").split("=")[0].encode()
+  # The flag table holds each name as a C string: the NUL keeps a longer flag that merely starts
+  # with this name from counting.
+  name = flag.lstrip("-").split("=")[0].encode() + b"\0"
   for base in spec.submodule_search_locations:
     path = os.path.join(base, "libjax_common.so")
     try:
@@ -160,9 +162,10 @@ def set_cpu_fusion_emitters(enabled: bool) -> bool:
   `set_cpu_opt_level`, before the first backend starts. True when it changed `XLA_FLAGS`.
 
   Off, XLA generates its CPU loop fusions with its LLVM IR emitters instead of the MLIR-based
-  fusion emitters. On issue 22's workload that took the cold run's peak RSS from ~910 to ~480 MiB
-  (the MLIR emitters kept ~300 MiB for compiling the train step alone) and compiled faster, at the
-  same step speed; metrics agree to float rounding, not bit for bit (benchmarks/README.md)."""
+  fusion emitters. On issue 22's workload that took the cold run's peak RSS from ~910 to ~550 MiB
+  (the MLIR emitters kept ~300 MiB for compiling the train step alone) and compiled faster; the
+  train step ran ~10 ms slower (its transposes), and metrics agree to float rounding, not bit for
+  bit (benchmarks/README.md)."""
   if not cpu_only():
     return False
   new = xla_flags_with_fusion_emitters(os.environ.get("XLA_FLAGS", ""), enabled)

@@ -8,7 +8,8 @@ raises the mmap and trim thresholds, so such buffers come from the heap and stay
 calls. The cost is resident memory: freed memory is kept for reuse rather than returned to the
 system (issue 22's workload: peak RSS 450 -> ~510 MiB with a warm compilation cache).
 
-`python -m jaxrl.train` applies it at start (`host_malloc_tuning`, default on) unless the
+`python -m jaxrl.train` applies it at start on a CPU-only install (`host_malloc_tuning`, default
+on; on an accelerator XLA's temporaries are device memory) unless the
 environment already tunes malloc (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_TOP_PAD_`, or `glibc.malloc` in `GLIBC_TUNABLES`): the user's settings win.
 """

@@ -198,8 +198,8 @@ def _tune_process(cfg, problems: list[str]) -> None:
   emitters = cfg.get("xla_cpu_fusion_emitters")
   if type(emitters) is bool:
     compile_cache.set_cpu_fusion_emitters(emitters)
-  if cfg.get("host_malloc_tuning") is True:
-    host_memory.keep_freed()
+  if cfg.get("host_malloc_tuning") is True and compile_cache.cpu_only():
+    host_memory.keep_freed()  # the temporaries it is for live in host memory on a CPU only
 
 
 def main(argv: list[str]) -> None:

@@ -371,6 +371,7 @@ def test_cpu_fusion_emitters_off_goes_into_xla_flags_unless_they_name_it():
   assert compile_cache.xla_knows_flag(compile_cache.OPT_LEVEL_FLAG)
   assert compile_cache.xla_knows_flag(flag)  # jaxlib 0.10's XLA has it
   assert not compile_cache.xla_knows_flag("--xla_cpu_no_such_flag_anywhere")
+  assert not compile_cache.xla_knows_flag("--xla_cpu_use_fusion")  # a prefix is not the flag
 
 
 def test_process_keys_are_bools_from_the_command_line():

@@ -39,12 +39,12 @@ def get_config() -> ConfigDict:
   c.xla_cpu_opt_level = 1
   # XLA's MLIR fusion emitters for CPU programs (XLA_FLAGS --xla_cpu_use_fusion_emitters), set
   # like the level above and only where the installed XLA knows the flag. Off (XLA's LLVM IR
-  # emitters) the cold run of issue 22's workload peaked at ~480 MiB instead of ~910 and compiled
-  # faster, at the same step speed; metrics agree to float rounding, not bit for bit.
+  # emitters) the cold run of issue 22's workload peaked at ~550 MiB instead of ~910 and compiled
+  # faster; its train step is ~10 ms slower. Metrics agree to float rounding, not bit for bit.
   c.xla_cpu_fusion_emitters = False
-  # glibc malloc keeps freed memory mapped (jaxrl.host_memory): XLA's per-call temporary
-  # buffers stop page-faulting afresh every step (issue 22's train step: ~30% faster), for some
-  # resident memory kept for reuse. Skipped when MALLOC_* or GLIBC_TUNABLES tune malloc.
+  # On a CPU-only install, glibc malloc keeps freed memory mapped (jaxrl.host_memory): XLA's
+  # per-call temporary buffers stop page-faulting afresh every call (issue 22's train step: ~30%
+  # faster), for resident memory kept for reuse. Skipped when MALLOC_* or GLIBC_TUNABLES are set.
   c.host_malloc_tuning = True
 
   c.checkpoint = ConfigDict()
