@@ -359,8 +359,12 @@ class Transformer(nnx.Module):
     inv_freq = config_inv_freq(cfg)  # one table for q and k of every layer
 
     def matmul(x, w):
-      """x [B, T, Din] times a weight whose leading axis is Din: [B, T, Dout]."""
-      return jnp.tensordot(x, w.reshape(x.shape[-1], -1), 1)
+      """x [B, T, Din] times a weight whose leading axis is Din: [B, T, Dout], as one 2-D
+      product over the B T rows. (A 3-D operand makes the weight gradient contract over two
+      axes, which XLA's CPU backend lays out with a transposed copy of the output gradient;
+      2-D, issue 22's whole train step ran ~15% faster.)"""
+      w = w.reshape(x.shape[-1], -1)
+      return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
     adapters = self.lora_weights()
     dropout = cfg.lora_dropout if lora_dropout_key is not None else 0.0
