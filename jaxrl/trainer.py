@@ -169,7 +169,10 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   # where a batch cannot be split by process, inline (same batches and staleness; no overlap).
   single = jax.process_count() == 1
   share = process_share(parts) if sender is None else None
-  evaluator = Evaluator(parts, asynchronous=v.asynchronous and single, max_wait_s=v.max_wait_s)
+  # Its passes run on threads named jaxrl-validation-<step> (benchmarks/soak.py counts them as
+  # per-pass threads, not as threads the loop keeps).
+  evaluator = Evaluator(parts, asynchronous=v.asynchronous and single, max_wait_s=v.max_wait_s,
+                        name="jaxrl-validation")
   # Published params are copies: the train step donates its own buffers, and the worker (or an
   # evaluation pass) may still be reading an older version. Disaggregated, the copy is the
   # reshard onto the rollout mesh; on several processes, each process's copy on its own devices.
