@@ -40,7 +40,7 @@ def get_config() -> ConfigDict:
   # XLA's MLIR fusion emitters for CPU programs (XLA_FLAGS --xla_cpu_use_fusion_emitters), set
   # like the level above and only where the installed XLA knows the flag. Off (XLA's LLVM IR
   # emitters) the cold run of issue 22's workload peaked at ~550 MiB instead of ~910 and compiled
-  # faster; its train step is ~10 ms slower. Metrics agree to float rounding, not bit for bit.
+  # faster; its train step ran a few ms slower. Metrics agree to float rounding, not bit for bit.
   c.xla_cpu_fusion_emitters = False
   # On a CPU-only install, glibc malloc keeps freed memory mapped (jaxrl.host_memory): XLA's
   # per-call temporary buffers stop page-faulting afresh every call (issue 22's train step: ~30%
