@@ -292,12 +292,7 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
       *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
         for part, v in zip(stats0, (0.0, 0.0, -jnp.inf, jnp.inf))))
   init = (jax.tree.map(jnp.zeros_like, state.params), fill)
-  if m == 1:
-    # One micro-batch: the body inline rather than a one-trip loop with a carried accumulator
-    # (the sum with the zero init is exact, so the result is the loop's).
-    (grads, stats), _ = body(init, jax.tree.map(lambda x: x[0], (micro, jnp.arange(1))))
-  else:
-    (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(m)))
+  (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(m)))
 
   # Each micro-batch already divided by the global counts: the sum is the batch gradient.
   grad_norm = optax.tree.norm(grads)

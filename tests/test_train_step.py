@@ -191,7 +191,12 @@ def test_full_objective_microbatched_matches_single_batch(reduction):
   ref_state, ref_m, ref_losses = _run((1, 1, 1), 1, step_cfg=cfg, steps=3)
   state, m, losses_ = _run((1, 1, 1), 4, step_cfg=cfg, steps=3)
   np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-7)
-  assert _max_param_diff(state.params, ref_state.params) <= 1e-6
+  # Not exact: the 4 micro-batch gradients are summed in another order than one batch's, and
+  # Adam divides each element by its own scale, so an element whose gradient is near 0 moves by
+  # its relative rounding error times the rate (1e-3) per step. Observed max over 3 steps: under
+  # 1e-6 before, 1.42e-6 since the one-hot embedding, one-chunk log-prob and 2-D projections
+  # (2026-11-27: other programs, other summation orders).
+  assert _max_param_diff(state.params, ref_state.params) <= 2e-6
   for key in ("rollout_kl", "ref_kl", "entropy", "mismatch/token_mult_prob_error",
               "mismatch/seq_mult_prob_error/max", "mismatch/is_ratio/min"):
     np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=1e-5, err_msg=key)
