@@ -605,6 +605,11 @@ def validate(cfg: ConfigDict, num_devices: int,
     if why:
       problems.append(f"{PREFIX}compile_cache: {why}; give a writable directory, \"auto\" or "
                       "\"\" (no cache)")
+  if "sft.cache" in good:
+    why = compile_cache.problem(good["sft.cache"])
+    if why:
+      problems.append(f"{PREFIX}sft.cache: {why}; give a writable directory, \"auto\" or \"\" "
+                      "(no warm-up cache)")
   preflight.check_logging(good, problems)
   preflight.check_resume(good, problems)
   preflight.check_memory(good, problems, processes, device_memory,

@@ -205,7 +205,8 @@ def finish(run_dir: str, summary: dict, rows: list[dict], title: str, progress: 
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   how = (f"resumed at step {summary['resumed_from_step']}" if "resumed_from_step" in summary
-         else f"{summary.get('sft/time_s', 0):.0f} s warm-up")
+         else f"{summary.get('sft/time_s', 0):.0f} s warm-up"
+         + (" loaded from the warm-up cache" if summary.get("sft/from_cache") else ""))
   progress.say(
       f"\n{accuracy_summary(summary)}\n"
       f"time: {summary['total_time_s']:.0f} s total ({how}, {summary['rl/time_s']:.0f} s RL)\n"

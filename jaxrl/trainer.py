@@ -35,6 +35,7 @@ from jaxrl import config as config_lib
 from jaxrl import metrics as metrics_lib
 from jaxrl import parallel, profiling
 from jaxrl import run_dir as run_dir_lib
+from jaxrl import warmup_cache
 from jaxrl.evaluation import Evaluator
 from jaxrl.loop_state import LoopState
 from jaxrl.models import lora as lora_lib
@@ -59,10 +60,17 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
            stop=None) -> tuple[object, dict]:
   """Supervised warm-up from `params`; returns `(params, summary)`. A stop signal ends it early
   (it is not checkpointed: a resumed run starts from the first RL checkpoint, and a run stopped
-  before one starts over)."""
+  before one starts over). With `sft.cache` a warm-up this machine has computed before is loaded
+  instead of run (`jaxrl.warmup_cache`): the same parameters and metrics rows."""
   cfg = parts.cfg.sft
   if not cfg.enabled or cfg.max_steps == 0:
     return params, {"sft/steps": 0}
+  rng = np.random.default_rng([parts.cfg.seed, 1])
+  first = parts.sft_batch(parts.task.sample(rng, cfg.batch_size))
+  cache = _WarmupCache(parts, params, first)
+  hit = cache.load(params, out, progress)
+  if hit is not None:
+    return hit
   opt = make_optimizer(cfg.learning_rate, b1=parts.cfg.train.b1, b2=parts.cfg.train.b2,
                        eps=parts.cfg.train.adam_eps,
                        grad_clip=parts.cfg.train.grad_clip)
@@ -70,12 +78,11 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params)
   state = init_state(params)
   evaluator = Evaluator(parts, asynchronous=False)
-  rng = np.random.default_rng([parts.cfg.seed, 1])
   timer = metrics_lib.Timer()
-  acc, steps = 0.0, 0
+  acc, steps, rows = 0.0, 0, []
   progress.say(f"warm-up: supervised steps until dev accuracy >= {cfg.stop_accuracy}")
   for steps in range(1, cfg.max_steps + 1):
-    batch = parts.sft_batch(parts.task.sample(rng, cfg.batch_size))
+    batch = first if steps == 1 else parts.sft_batch(parts.task.sample(rng, cfg.batch_size))
     state, m = step_fn(state, to_rows(batch, parts.mesh))
     row = {"phase": "sft", "step": steps, "sft/loss": m["loss"]}
     if steps % cfg.eval_every == 0:
@@ -84,6 +91,8 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
       progress.update(steps, cfg.max_steps, f"loss {float(m['loss']):.3f} | dev accuracy {acc:.3f}"
                       f" | {timer():.0f} s", force=False)
     out.write(row)
+    if cache.directory is not None:
+      rows.append({k: v if isinstance(v, (str, int)) else float(v) for k, v in row.items()})
     if steps % cfg.eval_every == 0 and acc >= cfg.stop_accuracy:
       break
     # Every process decides together: a signal may have reached only one of them.
@@ -96,7 +105,47 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
   stopped = "reached" if acc >= cfg.stop_accuracy else "hit sft.max_steps before reaching"
   progress.say(f"warm-up: {steps} steps, {timer():.1f} s, dev accuracy {acc:.3f} ({stopped} "
                f"{cfg.stop_accuracy})")
-  return state.params, {"sft/steps": steps, "sft/dev_accuracy": acc, "sft/time_s": timer()}
+  summary = {"sft/steps": steps, "sft/dev_accuracy": acc, "sft/time_s": timer()}
+  cache.store(state.params, rows, summary, progress)
+  return state.params, summary
+
+
+class _WarmupCache:
+  """`jaxrl.warmup_cache` for one run's warm-up: every process takes the same branch (a hit only
+  when every process has the entry; each keeps its own copy)."""
+
+  def __init__(self, parts: Parts, params, first_batch):
+    self.directory = warmup_cache.resolve(parts.cfg.sft.cache)
+    self.key = self.inputs = None
+    if self.directory is not None:
+      self.key, self.inputs = warmup_cache.fingerprint(parts.cfg, parts.task, first_batch)
+
+  def load(self, params, out, progress):
+    if self.directory is None:
+      return None
+    timer = metrics_lib.Timer()
+    got = warmup_cache.load(self.directory, self.key, params)
+    if parallel.distributed.any_process(got is None):
+      return None
+    arrays, rows, summary = got
+    loaded = warmup_cache.place(arrays, params)
+    for row in rows:
+      out.write(row)
+    computed = summary.get("sft/time_s", float("nan"))
+    progress.say(f"warm-up: loaded from the warm-up cache {os.path.join(self.directory, self.key)}"
+                 f" ({summary['sft/steps']} steps, dev accuracy {summary['sft/dev_accuracy']:.3f};"
+                 f" computed in {computed:.1f} s; sft.cache=\"\" runs it again)")
+    return loaded, {**summary, "sft/time_s": timer(), "sft/from_cache": 1.0}
+
+  def store(self, params, rows, summary, progress):
+    if self.directory is None:
+      return
+    if warmup_cache.nbytes(params) > warmup_cache.MAX_ENTRY_BYTES:
+      return
+    host = parallel.distributed.fetch(params)  # every process takes part
+    path = warmup_cache.store(self.directory, self.key, host, rows, summary, self.inputs)
+    if path is not None:
+      progress.say(f"warm-up: cached in {path} (a run with the same warm-up settings loads it)")
 
 
 def step_metrics(parts: Parts, step: int, batch_id: int, item: RingItem, lag: int,

@@ -6,6 +6,10 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
+# Runs in tests warm up for real unless a test names an `sft.cache` directory (the default "auto"
+# reads this variable; set and empty means off), so no test depends on another's warm-up.
+os.environ.setdefault("JAXRL_WARMUP_CACHE_DIR", "")
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 

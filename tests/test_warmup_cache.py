@@ -1,0 +1,196 @@
+"""The warm-up cache (`jaxrl.warmup_cache`, `sft.cache`): where it lives, what its key covers, that
+an entry round-trips exactly and a bad one is a miss, and that a second run loads the warm-up and
+then runs exactly the run it would have run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxrl import config as config_lib
+from jaxrl import trainer, warmup_cache
+from jaxrl.configs.default import get_config
+from jaxrl.envs.arithmetic import Problem
+
+
+def test_cache_directory_is_resolved_from_the_setting():
+  home = os.path.expanduser("~")
+  assert warmup_cache.resolve("") is None
+  assert warmup_cache.resolve("/x/y") == "/x/y"
+  assert warmup_cache.resolve("~/w") == os.path.join(home, "w")
+  assert warmup_cache.resolve("auto", {"JAXRL_WARMUP_CACHE_DIR": "/ci/w"}) == "/ci/w"
+  assert warmup_cache.resolve("auto", {"JAXRL_WARMUP_CACHE_DIR": ""}) is None  # set, empty: off
+  assert warmup_cache.resolve("auto", {"XDG_CACHE_HOME": "/xdg"}) == "/xdg/jaxrl/warmup"
+  assert warmup_cache.resolve("auto", {}) == os.path.join(home, ".cache", "jaxrl", "warmup")
+
+
+class _Task:
+  def __init__(self, dev):
+    self.dev = dev
+
+  def split(self, name):
+    assert name == "dev"
+    return self.dev
+
+
+def _key(cfg, dev=("1+2=", "3"), batch=None, env=None):
+  batch = batch if batch is not None else (np.arange(6, dtype=np.int32).reshape(2, 3), None)
+  task = _Task([Problem(*dev)])
+  return warmup_cache.fingerprint(cfg, task, batch, env=env or {"XLA_FLAGS": ""})[0]
+
+
+def test_key_ignores_rl_keys_and_follows_everything_the_warm_up_reads():
+  base = _key(get_config())
+  assert _key(get_config()) == base  # deterministic (a None field hashes by value, not address)
+
+  def changed(section, key, value):
+    cfg = get_config()
+    cfg[section][key] = value
+    return _key(cfg)
+
+  # The RL phase's keys share one warm-up ...
+  assert changed("train", "learning_rate", 1e-4) == base
+  assert changed("loss", "policy", "gspo") == base
+  assert changed("rollout", "lag", 2) == base
+  assert changed("checkpoint", "every", 7) == base
+  # ... what the warm-up reads does not.
+  assert changed("sft", "learning_rate", 5e-4) != base
+  assert changed("sft", "stop_accuracy", 0.5) != base
+  assert changed("model", "d_model", 32) != base
+  assert changed("train", "adam_eps", 1e-6) != base  # the warm-up's optimiser uses it
+  assert changed("rollout", "max_new_tokens", 5) != base
+  cfg = get_config()
+  cfg.seed = 1
+  assert _key(cfg) != base
+  assert _key(get_config(), dev=("1+2=", "4")) != base  # the dev split
+  other = (np.arange(6, dtype=np.int32).reshape(2, 3) + 1, None)
+  assert _key(get_config(), batch=other) != base  # the demonstrations
+  flags = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+  assert _key(get_config(), env=flags) != base  # the instruction set
+
+
+def _tree():
+  return {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+          "layers": [{"b": np.asarray([1.5, -2.25], ml_dtypes.bfloat16)},
+                     {"n": np.asarray([3, 4], np.int32)}]}
+
+
+def test_entry_round_trips_exactly_and_a_mismatch_is_a_miss(tmp_path):
+  host = _tree()
+  rows = [{"phase": "sft", "step": 1, "sft/loss": 0.125}]
+  summary = {"sft/steps": 1, "sft/dev_accuracy": 0.5, "sft/time_s": 2.0}
+  path = warmup_cache.store(str(tmp_path), "k1", host, rows, summary, {"why": "test"})
+  assert path == str(tmp_path / "k1")
+  template = jax.tree.map(jax.numpy.asarray, _tree())
+  arrays, got_rows, got_summary = warmup_cache.load(str(tmp_path), "k1", template)
+  for a, b in zip(arrays, jax.tree.leaves(host)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))  # bit for bit
+  assert got_rows == rows and got_summary == summary
+  placed = warmup_cache.place(arrays, template)
+  assert jax.tree.structure(placed) == jax.tree.structure(template)
+  assert warmup_cache.load(str(tmp_path), "absent", template) is None
+  wrong = jax.tree.map(jax.numpy.asarray, _tree())
+  wrong["w"] = jax.numpy.zeros((4, 3), jax.numpy.float32)  # another shape: a miss
+  assert warmup_cache.load(str(tmp_path), "k1", wrong) is None
+  with open(tmp_path / "k1" / "params.npz", "wb") as f:
+    f.write(b"not a zip")  # an unreadable entry: a miss, not an error
+  assert warmup_cache.load(str(tmp_path), "k1", template) is None
+
+
+def test_cache_keeps_the_newest_entries_and_no_temporary_ones(tmp_path):
+  for i in range(warmup_cache.KEEP + 3):
+    assert warmup_cache.store(str(tmp_path), f"k{i}", _tree(), [], {}, {})
+    os.utime(tmp_path / f"k{i}", (1000 + i, 1000 + i))
+  warmup_cache.prune(str(tmp_path))
+  left = sorted(os.listdir(tmp_path), key=lambda d: int(d[1:]))
+  assert left == [f"k{i}" for i in range(3, warmup_cache.KEEP + 3)]
+
+
+def test_unusable_cache_directory_is_a_config_error(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  cfg = get_config()
+  cfg.sft.cache = str(a_file / "cache")
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.validate(cfg, jax.device_count())
+  assert info.value.problems == [
+      f"config.sft.cache: {a_file} is not a directory; give a writable directory, \"auto\" or "
+      "\"\" (no warm-up cache)"]
+
+
+def _cfg(run_dir, cache):
+  cfg = get_config()
+  cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
+  cfg.sft.max_steps, cfg.sft.eval_every, cfg.sft.batch_size = 6, 3, 32
+  cfg.sft.stop_accuracy = 1.0  # runs to max_steps
+  cfg.sft.cache = cache
+  cfg.train.steps = 2
+  cfg.rollout.num_prompts = 4
+  cfg.val.at_start, cfg.val.every = False, 100
+  cfg.task.dev_size = cfg.task.val_size = cfg.val.batch_size = 16
+  cfg.run_dir = str(run_dir)
+  return cfg
+
+
+TIMING = ("perf/", "pipeline/", "val/time_s", "val/trainer_wait_s", "sft/time_s", "rl/time_s",
+          "total_time_s", "sft/from_cache")
+
+
+def _rows(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_second_run_loads_the_warm_up_and_runs_the_same_run(tmp_path, capsys):
+  cache = str(tmp_path / "cache")
+  first = _cfg(tmp_path / "a", cache)
+  s1 = trainer.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
+  assert "warm-up: cached in" in capsys.readouterr().out
+  assert len(os.listdir(cache)) == 1 and "sft/from_cache" not in s1
+  second = _cfg(tmp_path / "b", cache)
+  s2 = trainer.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
+  out = capsys.readouterr().out
+  assert "warm-up: loaded from the warm-up cache" in out and "warm-up: 6 steps" not in out
+  assert s2["sft/from_cache"] == 1.0 and s2["sft/steps"] == s1["sft/steps"] == 6
+  a, b = _rows(first.run_dir), _rows(second.run_dir)
+  assert [r["phase"] for r in a].count("sft") == 6 and [r["phase"] for r in a].count("rl") == 2
+  assert a == b  # the warm-up's rows replayed, then the same RL metrics to the last bit
+  assert len(os.listdir(cache)) == 1
+
+
+@pytest.mark.slow
+def test_rl_keys_share_a_warm_up_and_the_cache_off_recomputes_it(tmp_path, capsys):
+  cache = str(tmp_path / "cache")
+  first = _cfg(tmp_path / "a", cache)
+  trainer.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
+  assert "warm-up: cached in" in capsys.readouterr().out
+  # An RL key differs: the same warm-up, loaded.
+  second = _cfg(tmp_path / "b", cache)
+  second.train.learning_rate = 1e-3
+  s2 = trainer.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
+  assert "warm-up: loaded from the warm-up cache" in capsys.readouterr().out
+  assert s2["sft/from_cache"] == 1.0 and len(os.listdir(cache)) == 1
+  a, b = _rows(first.run_dir), _rows(second.run_dir)
+  sft = [r for r in a if r["phase"] == "sft"]
+  assert len(sft) == 6 and sft == [r for r in b if r["phase"] == "sft"]
+  # That run with the cache off: the warm-up runs, and every row, the RL phase's included, is
+  # the loaded run's to the last bit.
+  third = _cfg(tmp_path / "c", "")
+  third.train.learning_rate = 1e-3
+  s3 = trainer.run(third, third.run_dir, config_lib.validate(third, jax.device_count()))
+  assert "warm-up: 6 steps" in capsys.readouterr().out and "sft/from_cache" not in s3
+  c = _rows(third.run_dir)
+  assert [r["phase"] for r in c].count("rl") == 2 and c == b
+  # A warm-up key differs: a miss, a second entry.
+  fourth = _cfg(tmp_path / "d", cache)
+  fourth.sft.learning_rate = 2e-3
+  trainer.run(fourth, fourth.run_dir, config_lib.validate(fourth, jax.device_count()))
+  assert "warm-up: cached in" in capsys.readouterr().out
+  assert len(os.listdir(cache)) == 2
