@@ -228,17 +228,26 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.einsum("...v,vd->...d", one_hot, table, precision=jax.lax.Precision.HIGHEST)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """x: [B, T, H, Dh], positions: [B, T], inv_freq: [Dh/2] (`rope_inv_freq`). Non-interleaved
-  halves, as in HF Llama/Qwen."""
-  dh = x.shape[-1]
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin), each float32 [B, T, 1, Dh/2], of the rotary angles at `positions` [B, T]."""
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-  cos = jnp.cos(ang)[:, :, None, :]
-  sin = jnp.sin(ang)[:, :, None, :]
+  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x: [B, T, H, Dh] rotated by the tables of `rope_tables`. Non-interleaved halves, as in HF
+  Llama/Qwen."""
+  dh = x.shape[-1]
   xf = x.astype(jnp.float32)
   x1, x2 = xf[..., : dh // 2], xf[..., dh // 2 :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """x: [B, T, H, Dh], positions: [B, T], inv_freq: [Dh/2] (`rope_inv_freq`). Non-interleaved
+  halves, as in HF Llama/Qwen."""
+  return apply_rope(x, *rope_tables(positions, inv_freq))
 
 
 class Transformer(nnx.Module):
@@ -356,7 +365,10 @@ class Transformer(nnx.Module):
 
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
-    inv_freq = config_inv_freq(cfg)  # one table for q and k of every layer
+    # One cos/sin table for q and k of every layer, computed once: behind the barrier XLA keeps
+    # it as a buffer instead of recomputing both per element inside every fusion that reads it
+    # (the rotary backward's fusions re-evaluated them for each head; issue 22's train step).
+    cos, sin = jax.lax.optimization_barrier(rope_tables(positions, config_inv_freq(cfg)))
 
     def matmul(x, w):
       """x [B, T, Din] times a weight whose leading axis is Din: [B, T, Dout], as one 2-D
@@ -393,8 +405,8 @@ class Transformer(nnx.Module):
       if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-      q = rope(q, positions, inv_freq)
-      k = rope(k, positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, Dh, T]
+      q = apply_rope(q, cos, sin)
+      k = apply_rope(k, cos, sin).transpose(0, 2, 3, 1)  # [B, K, Dh, T]
       k_all, v_all = kv(k, v.transpose(0, 2, 1, 3))  # [B, K, Dh, S], [B, K, S, Dh]
       qg = q.reshape(B, T, K, G, cfg.head_dim)
       if T == 1:
