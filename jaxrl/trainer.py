@@ -91,7 +91,7 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
       progress.update(steps, cfg.max_steps, f"loss {float(m['loss']):.3f} | dev accuracy {acc:.3f}"
                       f" | {timer():.0f} s", force=False)
     out.write(row)
-    if cache.directory is not None:
+    if cache.enabled:
       rows.append({k: v if isinstance(v, (str, int)) else float(v) for k, v in row.items()})
     if steps % cfg.eval_every == 0 and acc >= cfg.stop_accuracy:
       break
@@ -111,20 +111,26 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
 
 
 class _WarmupCache:
-  """`jaxrl.warmup_cache` for one run's warm-up: every process takes the same branch (a hit only
-  when every process has the entry; each keeps its own copy)."""
+  """`jaxrl.warmup_cache` for one run's warm-up. Every process takes the same branch: whether the
+  cache is used at all is the config's (`sft.cache` empty or not, the same everywhere), a hit
+  needs the entry on every process (each reads its own copy), and every process takes part in
+  gathering the parameters to store (a process whose "auto" resolves to no directory counts as a
+  miss and writes nothing)."""
 
   def __init__(self, parts: Parts, params, first_batch):
-    self.directory = warmup_cache.resolve(parts.cfg.sft.cache)
+    self.enabled = bool(parts.cfg.sft.cache.strip())
+    self.directory = warmup_cache.resolve(parts.cfg.sft.cache) if self.enabled else None
     self.key = self.inputs = None
     if self.directory is not None:
       self.key, self.inputs = warmup_cache.fingerprint(parts.cfg, parts.task, first_batch)
 
   def load(self, params, out, progress):
-    if self.directory is None:
+    if not self.enabled:
       return None
     timer = metrics_lib.Timer()
-    got = warmup_cache.load(self.directory, self.key, params)
+    got = None
+    if self.directory is not None:
+      got = warmup_cache.load(self.directory, self.key, params)
     if parallel.distributed.any_process(got is None):
       return None
     arrays, rows, summary = got
@@ -138,11 +144,11 @@ class _WarmupCache:
     return loaded, {**summary, "sft/time_s": timer(), "sft/from_cache": 1.0}
 
   def store(self, params, rows, summary, progress):
-    if self.directory is None:
-      return
-    if warmup_cache.nbytes(params) > warmup_cache.MAX_ENTRY_BYTES:
+    if not self.enabled or warmup_cache.nbytes(params) > warmup_cache.MAX_ENTRY_BYTES:
       return
     host = parallel.distributed.fetch(params)  # every process takes part
+    if self.directory is None:
+      return
     path = warmup_cache.store(self.directory, self.key, host, rows, summary, self.inputs)
     if path is not None:
       progress.say(f"warm-up: cached in {path} (a run with the same warm-up settings loads it)")

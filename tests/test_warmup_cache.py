@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -194,3 +196,62 @@ def test_rl_keys_share_a_warm_up_and_the_cache_off_recomputes_it(tmp_path, capsy
   trainer.run(fourth, fourth.run_dir, config_lib.validate(fourth, jax.device_count()))
   assert "warm-up: cached in" in capsys.readouterr().out
   assert len(os.listdir(cache)) == 2
+
+
+TWO_PROCESSES = r"""
+import io, json, os, shutil, sys
+import jax
+import numpy as np
+from jaxrl.parallel import distributed
+distributed.join("", 1, 0, 60, auto=True, env=os.environ)
+from jaxrl import config as config_lib, metrics as metrics_lib, trainer
+from jaxrl.configs.default import get_config
+from jaxrl.parts import build_parts
+
+cfg = get_config()
+cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
+cfg.sft.max_steps, cfg.sft.eval_every, cfg.sft.batch_size, cfg.sft.stop_accuracy = 4, 2, 32, 1.0
+cfg.task.dev_size = cfg.task.val_size = cfg.val.batch_size = 16
+cfg.mesh.fsdp = -1  # parameters split over both processes' devices
+# Each process its own cache directory, as on hosts with their own disks.
+cfg.sft.cache = os.path.join(sys.argv[1], f"cache{jax.process_index()}")
+mesh = config_lib.validate(cfg, jax.device_count(), num_processes=jax.process_count())
+parts, params = build_parts(cfg, mesh)
+whole = lambda p: [np.asarray(x) for x in jax.tree.leaves(distributed.fetch(p))]
+text = io.StringIO()
+progress = metrics_lib.Progress(stream=text)
+out = metrics_lib.MetricsWriter(None)
+first, s1 = trainer.warmup(parts, params, out, progress)
+second, s2 = trainer.warmup(parts, params, out, progress)
+same = all(np.array_equal(a, b) for a, b in zip(whole(first), whole(second)))
+# One process loses its entry: both warm up again (a hit needs every process's).
+if jax.process_index() == 1:
+  shutil.rmtree(cfg.sft.cache)
+third, s3 = trainer.warmup(parts, params, out, progress)
+print("RESULT " + json.dumps({"same": same, "s1": s1, "s2": s2, "s3": s3,
+                              "split": not jax.tree.leaves(first)[0].is_fully_addressable,
+                              "log": text.getvalue()}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_load_the_warm_up_together_or_not_at_all(tmp_path):
+  from processes import communicate, free_port
+  from test_distributed import _env
+
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", TWO_PROCESSES, str(tmp_path)],
+      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = communicate(procs, 600)
+  for rank, out in enumerate(outs):
+    got = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["split"], rank  # the parameters really are split across the processes
+    assert got["same"], rank  # loaded == computed, bit for bit, on every process
+    assert "sft/from_cache" not in got["s1"] and got["s2"]["sft/from_cache"] == 1.0
+    assert "sft/from_cache" not in got["s3"]  # one process's miss is everyone's
+    assert got["s1"]["sft/steps"] == got["s2"]["sft/steps"] == got["s3"]["sft/steps"] == 4
+    assert os.listdir(tmp_path / f"cache{rank}")  # each process stored its own copy
+  log = json.loads(next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))[7:])["log"]
+  assert log.count("warm-up: cached in") == 2 and log.count("loaded from the warm-up cache") == 1
