@@ -17,7 +17,8 @@ On by default (`sft.cache = "auto"`): `$JAXRL_WARMUP_CACHE_DIR` when set (set an
 else `$XDG_CACHE_HOME/jaxrl/warmup` (`~/.cache/jaxrl/warmup`). A path puts it there; `""` turns it
 off. It keeps the `KEEP` newest entries and stores none whose parameters exceed `MAX_ENTRY_BYTES`.
 An entry is written to a temporary directory and renamed into place, so a crash leaves no partial
-entry, and an unreadable or mismatched one is a miss, never an error.
+entry; an unreadable or mismatched one is a miss, never an error, and is removed so that the run
+stores a good one in its place.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from collections.abc import Mapping
 
 import numpy as np
@@ -235,13 +237,26 @@ def store(directory: str, key: str, params_host, rows: list[dict], summary: dict
     return None
 
 
-def prune(directory: str, keep: int = KEEP) -> None:
-  """Removes all but the `keep` most recently used entries."""
+STALE_TMP_S = 3600.0  # a temporary entry this old was left by a process that died writing it
+
+
+def prune(directory: str, keep: int = KEEP, now: float | None = None) -> None:
+  """Removes all but the `keep` most recently used entries, and temporary ones older than
+  `STALE_TMP_S` (a process killed while writing leaves one behind)."""
+  now = time.time() if now is None else now
   try:
-    entries = [os.path.join(directory, d) for d in os.listdir(directory)
-               if not d.startswith(".") and os.path.isdir(os.path.join(directory, d))]
+    entries, stale = [], []
+    for d in os.listdir(directory):
+      path = os.path.join(directory, d)
+      if not os.path.isdir(path):
+        continue
+      if d.startswith("."):
+        if now - os.path.getmtime(path) > STALE_TMP_S:
+          stale.append(path)
+      else:
+        entries.append(path)
     entries.sort(key=os.path.getmtime, reverse=True)
-    for old in entries[keep:]:
+    for old in entries[keep:] + stale:
       shutil.rmtree(old, ignore_errors=True)
   except OSError:
     pass
@@ -252,25 +267,30 @@ def load(directory: str, key: str, template) -> tuple[list, list[dict], dict] | 
   summary), or None: absent, unreadable, or not the shapes, dtypes and leaf names of `template`
   (the run's initial parameters)."""
   path = os.path.join(directory, key)
+  if not os.path.isdir(path):
+    return None
   try:
     with open(os.path.join(path, "entry.json")) as f:
       entry = json.load(f)
     names, leaves, _ = _leaves(template)
     manifest = entry["leaves"]
     if entry.get("key") != key or [m["name"] for m in manifest] != names:
-      return None
+      raise ValueError("another tree")
     out = []
     with np.load(os.path.join(path, "params.npz")) as z:
       for i, (m, x) in enumerate(zip(manifest, leaves)):
         dtype = np.dtype(x.dtype)
         if m["dtype"] != str(dtype) or tuple(m["shape"]) != tuple(x.shape):
-          return None
+          raise ValueError("another shape or dtype")
         out.append(z[f"a{i}"].view(dtype).reshape(x.shape))
     with open(os.path.join(path, "rows.jsonl")) as f:
       rows = [json.loads(line) for line in f if line.strip()]
+    summary = dict(entry["summary"])
     os.utime(path)  # most recently used
-    return out, rows, dict(entry["summary"])
-  except (OSError, ValueError, KeyError, TypeError):
+    return out, rows, summary
+  except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
+    # Unusable: removed, so that this run's warm-up stores a good entry in its place.
+    shutil.rmtree(path, ignore_errors=True)
     return None
 
 

@@ -98,19 +98,34 @@ def test_entry_round_trips_exactly_and_a_mismatch_is_a_miss(tmp_path):
   assert jax.tree.structure(placed) == jax.tree.structure(template)
   assert warmup_cache.load(str(tmp_path), "absent", template) is None
   wrong = jax.tree.map(jax.numpy.asarray, _tree())
-  wrong["w"] = jax.numpy.zeros((4, 3), jax.numpy.float32)  # another shape: a miss
+  wrong["w"] = jax.numpy.zeros((4, 3), jax.numpy.float32)  # another shape: a miss, removed
   assert warmup_cache.load(str(tmp_path), "k1", wrong) is None
-  with open(tmp_path / "k1" / "params.npz", "wb") as f:
-    f.write(b"not a zip")  # an unreadable entry: a miss, not an error
-  assert warmup_cache.load(str(tmp_path), "k1", template) is None
+  assert not (tmp_path / "k1").exists()
+  for broken in (b"not a zip", b"PK\x03\x04 truncated"):
+    warmup_cache.store(str(tmp_path), "k1", host, rows, summary, {})
+    with open(tmp_path / "k1" / "params.npz", "wb") as f:
+      f.write(broken)  # an unreadable entry: a miss, not an error, and removed ...
+    assert warmup_cache.load(str(tmp_path), "k1", template) is None
+    assert not (tmp_path / "k1").exists()
+  # ... so that the run stores a good one in its place.
+  assert warmup_cache.store(str(tmp_path), "k1", host, rows, summary, {})
+  assert warmup_cache.load(str(tmp_path), "k1", template) is not None
 
 
-def test_cache_keeps_the_newest_entries_and_no_temporary_ones(tmp_path):
+def test_cache_keeps_the_newest_entries_and_no_stale_temporary_ones(tmp_path):
   for i in range(warmup_cache.KEEP + 3):
     assert warmup_cache.store(str(tmp_path), f"k{i}", _tree(), [], {}, {})
     os.utime(tmp_path / f"k{i}", (1000 + i, 1000 + i))
-  warmup_cache.prune(str(tmp_path))
-  left = sorted(os.listdir(tmp_path), key=lambda d: int(d[1:]))
+  # Temporary entries of writers that died: an old one is removed, a fresh one (a writer still
+  # at work) is not.
+  (tmp_path / ".k9-old").mkdir()
+  (tmp_path / ".k9-new").mkdir()
+  now = os.path.getmtime(tmp_path / ".k9-new")
+  os.utime(tmp_path / ".k9-old", (now - warmup_cache.STALE_TMP_S - 1,) * 2)
+  warmup_cache.prune(str(tmp_path), now=now)
+  left = sorted(os.listdir(tmp_path))
+  assert ".k9-new" in left and ".k9-old" not in left
+  left = sorted((d for d in left if not d.startswith(".")), key=lambda d: int(d[1:]))
   assert left == [f"k{i}" for i in range(3, warmup_cache.KEEP + 3)]
 
 
