@@ -146,6 +146,8 @@ class _WarmupCache:
   def store(self, params, rows, summary, progress):
     if not self.enabled or warmup_cache.nbytes(params) > warmup_cache.MAX_ENTRY_BYTES:
       return
+    if self.directory is None and jax.process_count() == 1:
+      return
     host = parallel.distributed.fetch(params)  # every process takes part
     if self.directory is None:
       return
