@@ -34,6 +34,7 @@ def run_once(xdg: str, run_dir: str, extra: list[str], timeout: float) -> dict:
   printed number) and the warm-up line it printed."""
   env = {k: v for k, v in os.environ.items() if k not in CLEARED}
   env["XDG_CACHE_HOME"] = xdg
+  env["PYTHONUNBUFFERED"] = "1"  # its lines as they are printed, so the stop comes right after
   started = time.monotonic()
   proc = subprocess.Popen([sys.executable, "-m", "jaxrl.train", f"--config.run_dir={run_dir}",
                            *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
