@@ -17,18 +17,27 @@ from collections.abc import Mapping
 MAX_BYTES = 4 << 30
 
 
-def resolve(setting: str, env: Mapping[str, str] | None = None) -> str | None:
-  """The cache directory `setting` means (None: no cache)."""
+def cache_dir(setting: str, variable: str, name: str, env: Mapping[str, str] | None = None,
+              empty_variable_is_off: bool = False) -> str | None:
+  """The directory a cache setting means (None: no cache): `""` off; a path; `"auto"` = the
+  environment `variable` when set (set and empty: off with `empty_variable_is_off`, else
+  ignored), else `$XDG_CACHE_HOME/jaxrl/<name>` (`~/.cache/jaxrl/<name>`)."""
   env = os.environ if env is None else env
   setting = setting.strip()
   if not setting:
     return None
   if setting != "auto":
     return os.path.abspath(os.path.expanduser(setting))
-  if env.get("JAX_COMPILATION_CACHE_DIR", "").strip():
-    return os.path.abspath(os.path.expanduser(env["JAX_COMPILATION_CACHE_DIR"].strip()))
+  value = env.get(variable)
+  if value is not None and (value.strip() or empty_variable_is_off):
+    return os.path.abspath(os.path.expanduser(value.strip())) if value.strip() else None
   base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jaxrl", "xla")
+  return os.path.join(base, "jaxrl", name)
+
+
+def resolve(setting: str, env: Mapping[str, str] | None = None) -> str | None:
+  """The compilation cache directory `setting` means (None: no cache)."""
+  return cache_dir(setting, "JAX_COMPILATION_CACHE_DIR", "xla", env)
 
 
 def problem(setting: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -36,6 +36,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxrl import compile_cache
+
 KEEP = 8  # newest entries kept
 MAX_ENTRY_BYTES = 1 << 30  # parameters larger than this are not stored
 FORMAT = 1  # the entry layout; a new layout never reads an old one
@@ -58,18 +60,9 @@ _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes")
 
 
 def resolve(setting: str, env: Mapping[str, str] | None = None) -> str | None:
-  """The cache directory `setting` means (None: no cache)."""
-  env = os.environ if env is None else env
-  setting = setting.strip()
-  if not setting:
-    return None
-  if setting != "auto":
-    return os.path.abspath(os.path.expanduser(setting))
-  if "JAXRL_WARMUP_CACHE_DIR" in env:
-    path = env["JAXRL_WARMUP_CACHE_DIR"].strip()
-    return os.path.abspath(os.path.expanduser(path)) if path else None
-  base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jaxrl", "warmup")
+  """The warm-up cache directory `setting` means (None: no cache)."""
+  return compile_cache.cache_dir(setting, "JAXRL_WARMUP_CACHE_DIR", "warmup", env,
+                                 empty_variable_is_off=True)
 
 
 def warmup_config(cfg: Mapping) -> dict:
