@@ -18,6 +18,7 @@ from jaxrl import config as config_lib
 from jaxrl import trainer, warmup_cache
 from jaxrl.configs.default import get_config
 from jaxrl.envs.arithmetic import Problem
+from test_profiling import tiny_cfg
 
 
 def test_cache_directory_is_resolved_from_the_setting():
@@ -142,16 +143,12 @@ def test_unusable_cache_directory_is_a_config_error(tmp_path):
 
 
 def _cfg(run_dir, cache):
-  cfg = get_config()
-  cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
+  """`test_profiling.tiny_cfg`'s run with a 6-step warm-up (it never reaches its accuracy)."""
+  cfg = tiny_cfg(run_dir, train__steps=2)
+  cfg.sft.enabled = True
   cfg.sft.max_steps, cfg.sft.eval_every, cfg.sft.batch_size = 6, 3, 32
-  cfg.sft.stop_accuracy = 1.0  # runs to max_steps
+  cfg.sft.stop_accuracy = 1.0
   cfg.sft.cache = cache
-  cfg.train.steps = 2
-  cfg.rollout.num_prompts = 4
-  cfg.val.at_start, cfg.val.every = False, 100
-  cfg.task.dev_size = cfg.task.val_size = cfg.val.batch_size = 16
-  cfg.run_dir = str(run_dir)
   return cfg
 
 
