@@ -92,7 +92,7 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
                       f" | {timer():.0f} s", force=False)
     out.write(row)
     if cache.enabled:
-      rows.append({k: v if isinstance(v, (str, int)) else float(v) for k, v in row.items()})
+      rows.append(out.rows[-1])  # the row as written (host values), for the cache to replay
     if steps % cfg.eval_every == 0 and acc >= cfg.stop_accuracy:
       break
     # Every process decides together: a signal may have reached only one of them.

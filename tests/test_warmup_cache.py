@@ -249,13 +249,12 @@ print("RESULT " + json.dumps({"same": same, "s1": s1, "s2": s2, "s3": s3,
 @pytest.mark.slow
 def test_two_processes_load_the_warm_up_together_or_not_at_all(tmp_path):
   from processes import communicate, free_port
-  from test_distributed import _env
+  from test_distributed import _torchrun_env
 
   port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-c", TWO_PROCESSES, str(tmp_path)],
-      env=_env(4, WORLD_SIZE="2", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, str(tmp_path)],
+                            env=_torchrun_env(i, port), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = communicate(procs, 600)
   for rank, out in enumerate(outs):
     got = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])

@@ -235,19 +235,13 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x: [B, T, H, Dh] rotated by the tables of `rope_tables`. Non-interleaved halves, as in HF
-  Llama/Qwen."""
+  """x: [B, T, H, Dh] rotated by the tables of `rope_tables` (positions [B, T], inv_freq [Dh/2]
+  from `rope_inv_freq`). Non-interleaved halves, as in HF Llama/Qwen."""
   dh = x.shape[-1]
   xf = x.astype(jnp.float32)
   x1, x2 = xf[..., : dh // 2], xf[..., dh // 2 :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """x: [B, T, H, Dh], positions: [B, T], inv_freq: [Dh/2] (`rope_inv_freq`). Non-interleaved
-  halves, as in HF Llama/Qwen."""
-  return apply_rope(x, *rope_tables(positions, inv_freq))
 
 
 class Transformer(nnx.Module):
