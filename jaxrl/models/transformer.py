@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl import names
@@ -221,11 +222,38 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   """`table[tokens]` (`table` `[V, D]`, `tokens` int `[...]`): a one-hot matmul for
   `V <= ONE_HOT_EMBED_MAX_VOCAB`, at full precision (it picks rows exactly: x 1 and + 0), else a
   gather. Tokens are in `[0, V)`."""
-  v = table.shape[0]
-  if v > ONE_HOT_EMBED_MAX_VOCAB:
+  if table.shape[0] > ONE_HOT_EMBED_MAX_VOCAB:
     return table[tokens]
-  one_hot = (tokens[..., None] == jnp.arange(v, dtype=tokens.dtype)).astype(table.dtype)
-  return jnp.einsum("...v,vd->...d", one_hot, table, precision=jax.lax.Precision.HIGHEST)
+  return _one_hot_embed(table, tokens)
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@jax.custom_vjp
+def _one_hot_embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  one_hot = (tokens[..., None] == jnp.arange(table.shape[0], dtype=tokens.dtype))
+  return jnp.einsum("...v,vd->...d", one_hot.astype(table.dtype), table, precision=_HIGHEST)
+
+
+def _one_hot_embed_fwd(table, tokens):
+  return _one_hot_embed(table, tokens), (table, tokens)
+
+
+def _one_hot_embed_bwd(res, g):
+  """The table's gradient, the token rows of `g` summed per token, as `one_hot^T @ g` with the
+  transposed one-hot built directly ([V, N]): both operands row-major with the contraction
+  minor. The autodiff form contracts the one-hot's leading axis, for which XLA's CPU backend
+  copied `g` transposed first (~1 ms of issue 22's train step, on its critical path)."""
+  table, tokens = res
+  flat = tokens.reshape(-1)
+  one_hot_t = (jnp.arange(table.shape[0], dtype=flat.dtype)[:, None] == flat[None, :])
+  d_table = jnp.matmul(one_hot_t.astype(g.dtype), g.reshape(-1, g.shape[-1]),
+                       precision=_HIGHEST).astype(table.dtype)
+  return d_table, np.zeros(tokens.shape, jax.dtypes.float0)
+
+
+_one_hot_embed.defvjp(_one_hot_embed_fwd, _one_hot_embed_bwd)
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
