@@ -243,5 +243,11 @@ def test_embed_lookup_is_the_gather_with_its_gradient(v):
   want = np.zeros((v, 8))
   np.add.at(want, np.asarray(tokens).ravel(), np.asarray(cot).reshape(-1, 8))
   np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+  # Compiled, with the tokens traced too (the one-hot path's own backward rule), and in bf16.
+  grad = jax.jit(jax.grad(lambda t, tok, c: jnp.sum(embed_lookup(t, tok) * c)))
+  np.testing.assert_allclose(grad(table, tokens, cot), want, rtol=1e-5, atol=1e-6)
+  g16 = grad(table.astype(jnp.bfloat16), tokens, cot.astype(jnp.bfloat16))
+  assert g16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(g16, np.float32), want, rtol=0.05, atol=0.05)
   hlo = jax.jit(lambda t: embed_lookup(t, tokens)).lower(table).as_text()
   assert ("gather" in hlo) == (v > ONE_HOT_EMBED_MAX_VOCAB)
