@@ -162,6 +162,9 @@ def _rows(run_dir):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
+# Two whole runs (~90 s on 2 cores): in the slow step, which CI runs, so the default suite stays
+# within its 10 minutes.
+@pytest.mark.slow
 def test_second_run_loads_the_warm_up_and_runs_the_same_run(tmp_path, capsys):
   cache = str(tmp_path / "cache")
   first = _cfg(tmp_path / "a", cache)
