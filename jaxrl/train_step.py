@@ -32,6 +32,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -64,6 +65,11 @@ class StepConfig:
   # and values (`completion_hidden`). 0 or 1 = every row runs its own prompt. A batch whose
   # groups are not laid out so is detected in the step and not applied (`prompt_layout_errors`).
   shared_prompts: int = 0
+  # With shared prompts: run the prompts and the completions as one packed set of positions
+  # (`Transformer.grouped_forward`) instead of two passes through a repeated key/value cache.
+  # None = when the step runs on CPU with its rows on one shard (measured faster there, issue
+  # 22); the two-pass form keeps rows split over the batch axes of a mesh.
+  pack_prompts: bool | None = None
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -122,15 +128,17 @@ def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
 
 
 def completion_hidden(model, batch: TrainBatch, group: int = 0,
-                      lora_dropout_key: jax.Array | None = None) -> jax.Array:
+                      lora_dropout_key: jax.Array | None = None, packed: bool = False
+                      ) -> jax.Array:
   """Final hidden states [B, N, D] that predict each completion token.
 
   `group` > 1: every `group` consecutive rows share one prompt (the first row's is used). The
   prompts run once ([B / group] rows) into a key/value cache, which is repeated to every row of
-  the group; the completions then run over it. Same function as the per-row pass (each
-  completion token attends to its own prompt and the completion tokens before it), with
-  (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over the group.
-  `lora_dropout_key`: the model's LoRA dropout (training only).
+  the group; the completions then run over it (with `packed`, prompts and completions run as
+  one packed set of positions instead: `Transformer.grouped_forward`). Same function as the
+  per-row pass (each completion token attends to its own prompt and the completion tokens
+  before it), with (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over
+  the group. `lora_dropout_key`: the model's LoRA dropout (training only).
   """
   kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
   lp = batch.prompt_tokens.shape[1]
@@ -144,11 +152,14 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   b, n = batch.tokens.shape
   first = lambda x: x.reshape(b // group, group, *x.shape[1:])[:, 0]
   prompts, prompt_valid = first(batch.prompt_tokens), first(batch.prompt_valid)
+  rep = lambda x, axis=0: jnp.repeat(x, group, axis=axis)
+  if packed:
+    prompt_hidden, hidden = model.grouped_forward(prompts, prompt_valid, batch.tokens, seen, **kw)
+    return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
   cache = KVCache.zeros(model.cfg, b // group, lp + n)
   prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache,
                                **kw)
   stacked = model.cfg.scan_layers  # [L, rows, ...] caches; unrolled: a tuple of [rows, ...]
-  rep = lambda x, axis=0: jnp.repeat(x, group, axis=axis)
   per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
   cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
   before = rep(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32))[:, None]
@@ -174,7 +185,8 @@ def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: 
   `params`: the model's `nnx.State`, or a tuple of states that together make it (LoRA: the
   frozen base and the adapters)."""
   model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
-  hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key)
+  hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key,
+                             packed=bool(cfg.pack_prompts))
   b, n, d = hidden.shape
   out = fused_logprob(
       hidden.reshape(b * n, d), model.unembedding().astype(hidden.dtype),
@@ -229,6 +241,15 @@ def shared_group(cfg: StepConfig, rows: int) -> int:
   return g if cfg.loss == "rl" and g > 1 and rows % (g * cfg.num_microbatches) == 0 else 0
 
 
+def row_shards(row_sharding: NamedSharding | None) -> int:
+  """How many shards the batch rows are split into (1 without a sharding)."""
+  if row_sharding is None:
+    return 1
+  spec = row_sharding.spec[0] if row_sharding.spec else None
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return int(np.prod([row_sharding.mesh.shape[a] for a in axes])) if axes else 1
+
+
 def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
   """Denominators of the whole batch, computed once before micro-batching."""
   if cfg.loss == "sft":
@@ -255,7 +276,10 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
                 ) -> tuple[TrainState, dict]:
   m = cfg.num_microbatches
   group = shared_group(cfg, batch.tokens.shape[0])
-  cfg = dataclasses.replace(cfg, shared_prompts=group)
+  pack = cfg.pack_prompts
+  if pack is None:
+    pack = jax.default_backend() == "cpu" and row_shards(row_sharding) == 1
+  cfg = dataclasses.replace(cfg, shared_prompts=group, pack_prompts=bool(group) and pack)
   clip = cfg.adv_clip
   has_tokens = jnp.any(batch.mask, axis=-1)
   # A row with a non-finite reward is excluded like a failed sample: advantage 0, out of its

@@ -9,7 +9,8 @@ from flax import nnx
 from conftest import tiny_model_config
 from jaxrl.models import KVCache, init_model
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.models.transformer import ONE_HOT_EMBED_MAX_VOCAB, embed_lookup, left_positions
+from jaxrl.models.transformer import (MASK_VALUE, ONE_HOT_EMBED_MAX_VOCAB, attention,
+                                      embed_lookup, left_positions)
 from jaxrl.rollout.sampler import make_sampler
 
 VARIANTS = {
@@ -251,3 +252,72 @@ def test_embed_lookup_is_the_gather_with_its_gradient(v):
   np.testing.assert_allclose(np.asarray(g16, np.float32), want, rtol=0.05, atol=0.05)
   hlo = jax.jit(lambda t: embed_lookup(t, tokens)).lower(table).as_text()
   assert ("gather" in hlo) == (v > ONE_HOT_EMBED_MAX_VOCAB)
+
+
+def _plain_attention(q, k_t, v, mask, scale):
+  s = jnp.einsum("bkgtd,bkds->bkgts", q, k_t).astype(jnp.float32) * scale
+  p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1).astype(q.dtype)
+  return jnp.einsum("bkgts,bksd->bkgtd", p, v)
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    (jnp.float32, 1e-5),
+    pytest.param(jnp.bfloat16, 3e-2, marks=pytest.mark.slow)])  # fast-suite time budget
+def test_attention_gradient_rule_matches_autodiff_of_the_plain_formula(dtype, tol):
+  # Row 0 has no valid key at all (every query fully masked: a uniform average, no gradient);
+  # the others mix causal and padding masks, with G = 2 query heads per kv head.
+  b, k, g, t, s, d = 3, 2, 2, 5, 9, 8
+  ks = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(ks[0], (b, k, g, t, d)).astype(dtype)
+  k_t = jax.random.normal(ks[1], (b, k, d, s)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, k, s, d)).astype(dtype)
+  valid = jax.random.bernoulli(ks[3], 0.7, (b, s)).at[0].set(False).at[1:, 0].set(True)
+  causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
+  mask = causal[None, None, None] & valid[:, None, None, None, :]
+  r = jax.random.normal(ks[4], (b, k, g, t, d))
+  scale = d ** -0.5
+  loss = lambda f: lambda *a: jnp.sum(f(*a, mask, scale).astype(jnp.float32) * r)
+  out = jax.jit(attention, static_argnums=4)(q, k_t, v, mask, scale)
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(_plain_attention(q, k_t, v, mask, scale), np.float32),
+                             atol=tol, rtol=tol)
+  got = jax.jit(jax.grad(loss(attention), argnums=(0, 1, 2)))(q, k_t, v)
+  want = jax.grad(loss(_plain_attention), argnums=(0, 1, 2))(q, k_t, v)
+  for name, a, w in zip(("q", "k_t", "v"), got, want):
+    assert a.dtype == dtype, name
+    w = np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(a, np.float32), w, atol=tol * np.abs(w).max(),
+                               err_msg=name)
+  # The fully masked row's queries get no gradient; its keys and values none either.
+  assert not np.any(np.asarray(got[0][0], np.float32)) and not np.any(np.asarray(got[1][0], np.float32))
+
+
+@pytest.mark.parametrize("scan_layers", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["unrolled", "scan"])
+def test_grouped_forward_equals_running_every_row_as_one_sequence(scan_layers):
+  # 2 left-padded prompts, 3 continuations each, with invalid tokens in the middle and at the
+  # end of some continuations: each continuation's hidden states are those of its prompt and
+  # itself run as one sequence, at every valid position; the prompts their own.
+  cfg = tiny_model_config(scan_layers=scan_layers, qkv_bias=True)
+  graphdef, params = init_model(cfg, seed=0)
+  model = nnx.merge(graphdef, _randomise_biases(params, 1))
+  prompts = np.array([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], np.int32)
+  prompt_valid = prompts > 0
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, cfg.vocab_size, (6, 4)).astype(np.int32)
+  valid = np.ones((6, 4), bool)
+  valid[1, 2:] = False
+  valid[4, 1] = False
+  p_hidden, hidden = jax.jit(model.grouped_forward)(prompts, prompt_valid, tokens, valid)
+  assert p_hidden.shape == (2, 5, cfg.d_model) and hidden.shape == (6, 4, cfg.d_model)
+  rows = np.repeat(np.arange(2), 3)
+  seq = np.concatenate([prompts[rows], tokens], axis=1)
+  seq_valid = np.concatenate([prompt_valid[rows], valid], axis=1)
+  ref, _ = jax.jit(lambda a, b, c: model(a, b, c))(seq, left_positions(seq_valid), seq_valid)
+  ref_p, ref_c = np.asarray(ref[:, :5]), np.asarray(ref[:, 5:])
+  np.testing.assert_allclose(np.asarray(hidden)[valid], ref_c[valid], atol=2e-5, rtol=2e-5)
+  for r in range(6):
+    np.testing.assert_allclose(np.asarray(p_hidden[rows[r]])[prompt_valid[rows[r]]],
+                               ref_p[r][prompt_valid[rows[r]]], atol=2e-5, rtol=2e-5)
+  with pytest.raises(ValueError, match="not a multiple of 4 prompts"):
+    model.grouped_forward(np.ones((4, 5), np.int32), np.ones((4, 5), bool), tokens, valid)

@@ -11,7 +11,7 @@ from conftest import tiny_model_config
 from jaxrl import losses, parallel
 from jaxrl.models import init_model
 from jaxrl.train_step import (StepConfig, build_train_step, learning_rate_schedule, make_optimizer,
-                              shard_params)
+                              row_shards, shard_params)
 from jaxrl.types import TrainBatch
 
 B, LP, N = 16, 6, 5
@@ -260,14 +260,16 @@ def _grouped_batch(seed=0) -> TrainBatch:
                     completion_valid=seen)
 
 
-@pytest.mark.slow  # compiles 4 steps (fast-suite time budget)
+@pytest.mark.slow  # compiles 4 steps each (fast-suite time budget)
+@pytest.mark.parametrize("pack", [False, True], ids=["cache", "packed"])
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_shared_prompts_match_running_every_row(scan_layers):
+def test_shared_prompts_match_running_every_row(scan_layers, pack):
   # Each group's prompt runs once and its 4 completions attend to that one copy of its keys and
   # values: the same losses, metrics and updates as running every row's prompt (the full
   # objective, so the reference model's pass is shared too), in 2 micro-batches of 2 groups.
+  # Both forms: through a repeated key/value cache, and packed (`Transformer.grouped_forward`).
   batch = _grouped_batch()
-  shared = dataclasses.replace(_FULL, shared_prompts=4)
+  shared = dataclasses.replace(_FULL, shared_prompts=4, pack_prompts=pack)
   ref_state, ref_m, ref_losses = _run((1, 1, 1), 2, batch=batch, step_cfg=_FULL, steps=3,
                                       scan_layers=scan_layers)
   state, m, losses_ = _run((1, 1, 1), 2, batch=batch, step_cfg=shared, steps=3,
@@ -297,10 +299,19 @@ def test_shared_prompts_refuse_a_batch_whose_groups_do_not_share_one_prompt():
 
 
 @pytest.mark.slow  # 8-device compiles (fast-suite time budget)
-def test_shared_prompts_on_a_sharded_mesh_match_one_device(devices):
+@pytest.mark.parametrize("pack", [None, True], ids=["auto", "packed"])
+def test_shared_prompts_on_a_sharded_mesh_match_one_device(devices, pack):
+  # Rows split over 4 shards: by default the cache form (rows stay split); packed on request.
   batch = _grouped_batch()
-  shared = dataclasses.replace(_FULL, shared_prompts=4)
+  shared = dataclasses.replace(_FULL, shared_prompts=4, pack_prompts=pack)
   ref_state, _, ref_losses = _run((1, 1, 1), 1, batch=batch, step_cfg=_FULL)
   state, _, losses_ = _run((2, 2, 2), 2, batch=batch, step_cfg=shared)
   np.testing.assert_allclose(losses_, ref_losses, rtol=1e-5, atol=1e-6)
   assert _max_param_diff(state.params, ref_state.params) <= 1e-5
+
+
+def test_row_shards_counts_the_batch_axes_the_rows_are_split_over(devices):
+  assert row_shards(None) == 1
+  assert row_shards(parallel.batch_sharding(parallel.make_mesh(1, 1, 1))) == 1
+  assert row_shards(parallel.batch_sharding(parallel.make_mesh(2, 2, 2))) == 4
+  assert row_shards(parallel.batch_sharding(parallel.make_mesh(1, 1, 8))) == 1
