@@ -280,7 +280,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (xf * cos + swapped * sin).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, scale: float
               ) -> jax.Array:
   """Masked softmax attention over many queries per row: q [B, K, G, T, Dh] (G query heads per
@@ -288,13 +287,21 @@ def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, scale
   [B, K, G, T, S] (True: attend). Scores and softmax in float32; returns [B, K, G, T, Dh] in
   q's dtype. A fully masked query row gets a uniform average (see `MASK_VALUE`) and no gradient.
 
-  Its own gradient rule, for XLA's CPU backend: every product in it contracts the minor axis of
-  its left operand (the key and value gradients through explicitly transposed copies of q and
-  of the probabilities), the form YNNPACK runs; autodiff's form for those two ran as Eigen
-  batched products ~2x slower, and its softmax backward reduced over the keys. Measured on
-  issue 22's train step (2 layers, 64 rows x 16 tokens): the attention's forward and backward
-  ~25% faster. The same values as autodiff of the plain formula up to float rounding
-  (`tests/test_model.py`)."""
+  On CPU it has its own gradient rule (`_cpu_attention`): every product in it contracts the
+  minor axis of its left operand (the key and value gradients through explicitly transposed
+  copies of q and of the probabilities), the form YNNPACK runs; autodiff's form for those two
+  ran as Eigen batched products ~2x slower, and its softmax backward reduced over the keys.
+  Measured on issue 22's train step (2 layers, 64 rows x 16 tokens): the attention's forward
+  and backward ~25% faster in isolation. Elsewhere autodiff's (the extra transposed copy of the
+  probabilities would be a second [T, S] tensor per head on long sequences). The same values
+  either way up to float rounding (`tests/test_model.py`)."""
+  if jax.default_backend() == "cpu":
+    return _cpu_attention(q, k_t, v, mask, scale)
+  return _attention_fwd(q, k_t, v, mask, scale)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cpu_attention(q, k_t, v, mask, scale):
   return _attention_fwd(q, k_t, v, mask, scale)[0]
 
 
@@ -323,7 +330,7 @@ def _attention_bwd(scale, res, do):
   return dq, dk_t, dv, None
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_cpu_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class Transformer(nnx.Module):
