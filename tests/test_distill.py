@@ -242,6 +242,7 @@ def test_distillation_with_lag_partial_rollouts_and_multi_turn(tmp_path):
   assert all(r["tokens"] <= 4 * 8 * 4 * 4 for r in rl)  # P x G rows x turns x new tokens
 
 
+@pytest.mark.slow  # fast-suite time budget: a property test that compiles per example (~20-30 s)
 @settings(max_examples=15, deadline=None, database=None)
 @given(seed=st.integers(0, 2**16), split=st.integers(1, B - 1),
        reduction=st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]))

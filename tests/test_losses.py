@@ -787,6 +787,7 @@ def test_microbatches_sum_to_full_batch_every_policy_and_reduction(policy, reduc
   check_split(full_config(policy, reduction), x, [0, 3, 6])
 
 
+@pytest.mark.slow  # fast-suite time budget: a property test that compiles per example (~20-30 s)
 @PROPS
 @given(cfg=configs, mask=masks, seed=st.integers(0, 2**31),
        bounds=st.sampled_from([[0, 3, 6], [0, 2, 4, 6]]))  # few shapes: each compiles anew
