@@ -42,7 +42,7 @@ from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
-from jaxrl.models.transformer import KVCache, left_positions
+from jaxrl.models.transformer import KVCache, continuation_positions, left_positions
 from jaxrl.names import LR_SCHEDULES
 from jaxrl.types import TrainBatch, TrainState
 
@@ -162,8 +162,7 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   stacked = model.cfg.scan_layers  # [L, rows, ...] caches; unrolled: a tuple of [rows, ...]
   per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
   cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
-  before = rep(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32))[:, None]
-  positions = jnp.maximum(before + jnp.cumsum(seen.astype(jnp.int32), axis=-1) - 1, 0)
+  positions = continuation_positions(prompt_valid, seen, group)
   hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, **kw)
   # The prompt's last state predicts completion token 0; completion state j - 1 predicts j.
   return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)

@@ -631,8 +631,7 @@ class Transformer(nnx.Module):
     if b % n:
       raise ValueError(f"{b} continuation rows are not a multiple of {n} prompts")
     group = b // n
-    before = jnp.repeat(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32), group)[:, None]
-    positions = jnp.maximum(before + jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+    positions = continuation_positions(prompt_valid, valid, group)
     pack = lambda a, c: jnp.concatenate([a, c.reshape(n, group * t)], axis=1)  # [N, Lp + G T]
     K, G, dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     scale = dh ** -0.5
@@ -776,6 +775,14 @@ def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
   row of `logits[..., :]`."""
   t = jnp.asarray(temperature, jnp.float32)
   return logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[..., None]
+
+
+def continuation_positions(prompt_valid: jax.Array, valid: jax.Array, group: int) -> jax.Array:
+  """Positions [B, T] of continuation tokens `valid` [B, T] after left-padded prompts
+  `prompt_valid` [B / group, Lp], each continuing `group` consecutive rows: counted on from the
+  prompt's valid tokens, advancing at valid tokens only (never below 0)."""
+  before = jnp.repeat(jnp.sum(prompt_valid, axis=-1, dtype=jnp.int32), group)[:, None]
+  return jnp.maximum(before + jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
 
 
 def left_positions(valid: jax.Array) -> jax.Array:
