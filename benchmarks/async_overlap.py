@@ -1,6 +1,6 @@
 """Forced lag overlaps generation with training: RL steps/s at lag 0 and lag 1.
 
-The default recipe's RL loop (`jaxrl.trainer.rl`: worker thread, lag gate, train step) on the
+The default recipe's RL loop (`jaxrl.run.trainer.rl`: worker thread, lag gate, train step) on the
 default model, without the supervised warm-up, with a reward function that takes a fixed time per
 batch (as an LLM judge or a code sandbox would). By default that time is the trainer's share of
 a lag-0 step measured first without a delay (step time minus sampling time: the train step and
@@ -15,7 +15,7 @@ measured as on one process, `perf/sample_time_s` being the slowest process's). P
 reports.
 
 `--processes N --rollout-processes 0` runs it disaggregated across processes
-(`mesh.rollout_processes`, through `jaxrl.trainer.run` in a temporary run directory): process 0
+(`mesh.rollout_processes`, through `jaxrl.run.trainer.run` in a temporary run directory): process 0
 generates and scores (sleeping the whole delay per batch), the others train; at lag 1 process 0
 makes batch t+1 while step t trains. The first train process reports.
 
@@ -48,10 +48,10 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl import metrics as metrics_lib
-from jaxrl import trainer
-from jaxrl.parts import build_parts
-from jaxrl.configs.default import get_config
+from jaxrl.observe import metrics as metrics_lib
+from jaxrl.run import trainer
+from jaxrl.run.parts import build_parts
+from jaxrl.recipes.default import get_config
 
 
 REPORTER = [0]  # the process that logs and reports

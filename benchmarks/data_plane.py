@@ -33,12 +33,12 @@ import jax
 import numpy as np
 
 import train_step as step_bench  # benchmarks/train_step.py: the default train-step case and data
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.pipeline.data_plane import BatchMeta, DataPlane, balance_rows
-from jaxrl.train_step import build_train_step, make_optimizer, to_rows
-from jaxrl.rl_step import rl_step_config
+from jaxrl.learner.step import build_train_step, make_optimizer, to_rows
+from jaxrl.learner.rl import rl_step_config
 
 TRAIN_FIELDS = ("tokens", "mask", "rollout_logprobs", "policy_version")
 TARGET = 0.05

@@ -2,7 +2,7 @@
 
 Prints ONE JSON object on stdout (progress on stderr): generated tokens/s of
 
-- `static`: `jaxrl.rollout.sampler.make_sampler`, the R rows processed in batches of B rows
+- `static`: `jaxrl.rollout.static_sampler.make_sampler`, the R rows processed in batches of B rows
   (B / G prompts x G samples). A batch decodes until its slowest row ends.
 - `continuous`: `jaxrl.rollout.engine.Engine` with B slots over the same R rows; a slot is refilled
   as soon as its request ends. One engine per slot count; `steps_per_dispatch` is swept through
@@ -64,10 +64,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.rollout.engine import Engine
-from jaxrl.rollout.sampler import make_sampler
+from jaxrl.rollout.static_sampler import make_sampler
 
 PAD, EOS = 0, 1
 VOCAB = 32

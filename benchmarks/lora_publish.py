@@ -64,10 +64,10 @@ import numpy as np  # noqa: E402
 
 import sampler_throughput as st  # noqa: E402  (benchmarks/sampler_throughput.py: the driver)
 from jaxrl import parallel  # noqa: E402
-from jaxrl.configs.default import get_config  # noqa: E402
+from jaxrl.recipes.default import get_config  # noqa: E402
 from jaxrl.models import lora  # noqa: E402
 from jaxrl.models.transformer import ModelConfig, abstract_model, lora_dims  # noqa: E402
-from jaxrl.rollout.sampler import make_sampler  # noqa: E402
+from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 TARGET_RATIO = 1 / 50  # adapter bytes / model bytes per published version

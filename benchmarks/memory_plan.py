@@ -85,17 +85,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl.configs.default import get_config  # noqa: E402
+from jaxrl.recipes.default import get_config  # noqa: E402
 from jaxrl.kernels.fused_logprob.api import default_impl  # noqa: E402
 from jaxrl.models import lora as lora_lib  # noqa: E402
 from jaxrl.models.transformer import (REMAT_POLICIES, ModelConfig, abstract_model,  # noqa: E402
                                       lora_dims)
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jaxrl.parallel.sharding import kv_cache_shardings, mesh_of  # noqa: E402
-from jaxrl.rollout.sampler import make_sampler  # noqa: E402
-from jaxrl.train_step import build_train_step, make_optimizer  # noqa: E402
-from jaxrl.rl_step import rl_step_config  # noqa: E402
-from jaxrl.types import TrainBatch  # noqa: E402
+from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402
+from jaxrl.learner.step import build_train_step, make_optimizer  # noqa: E402
+from jaxrl.learner.rl import rl_step_config  # noqa: E402
+from jaxrl.core.types import TrainBatch  # noqa: E402
 
 GIB = 1 << 30
 
@@ -540,7 +540,7 @@ def main():
   args, _ = ap.parse_known_args()
   recipe = None
   if args.recipe:
-    from jaxrl.recipe import load_recipe
+    from jaxrl.config.recipe import load_recipe
     recipe = load_recipe(args.recipe)
     ap.set_defaults(**recipe_defaults(recipe, jax.device_count()))
   args = ap.parse_args()

@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.models.transformer import ModelConfig, abstract_model, init_model
-from jaxrl.rollout.sampler import make_sampler
+from jaxrl.rollout.static_sampler import make_sampler
 
 DEFAULT_VOCAB = 14  # the `add` task's CharTokenizer: 12 characters + pad + EOS
 

@@ -25,12 +25,12 @@ import time
 import jax
 import numpy as np
 
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
-from jaxrl.train_step import build_train_step, make_optimizer, to_rows
-from jaxrl.rl_step import rl_step_config
-from jaxrl.types import TrainBatch
+from jaxrl.learner.step import build_train_step, make_optimizer, to_rows
+from jaxrl.learner.rl import rl_step_config
+from jaxrl.core.types import TrainBatch
 
 DEFAULT_VOCAB = 14  # the `add` task's CharTokenizer: 12 characters + pad + EOS
 GROUP = 8

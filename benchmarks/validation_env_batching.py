@@ -2,7 +2,7 @@
 
 An environment whose cost is mostly per call (a judge model, a sandbox, a remote verifier) costs
 little when it sees all of a turn's rows at once. This benchmark validates the same samples two
-ways through the real trainer parts (`jaxrl.evaluation.Evaluator`, the default model without the
+ways through the real trainer parts (`jaxrl.run.validation.Evaluator`, the default model without the
 supervised warm-up, task `add`, so the generations come from the real sampler):
 
 - `batched`: what jaxrl does. `MultiTurn` calls the task's environment once per turn with all
@@ -39,9 +39,9 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl.evaluation import Evaluator
-from jaxrl.parts import build_parts
-from jaxrl.configs.default import get_config
+from jaxrl.run.validation import Evaluator
+from jaxrl.run.parts import build_parts
+from jaxrl.recipes.default import get_config
 from jaxrl.envs.base import StepResult, Turn
 
 CALLS_TARGET = 10.0

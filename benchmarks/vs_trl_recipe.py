@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vs_trl import GRPO, MAX_PROMPT_TOKENS, make_prompts, partial  # noqa: E402
 
-from jaxrl.configs.default import get_config as default_config  # noqa: E402
+from jaxrl.recipes.default import get_config as default_config  # noqa: E402
 from jaxrl.data.sources import SplitSource  # noqa: E402
 from jaxrl.envs import Task, register, single_turn_result  # noqa: E402
 

@@ -99,7 +99,7 @@ def load_run(run_dir: str, step: int | None, param_dtype: str | None, chat: bool
   import jax
 
   from jaxrl.data.hf_tokenizer import HFTokenizer
-  from jaxrl.export import METADATA_DIR, restore_run
+  from jaxrl.cli.export import METADATA_DIR, restore_run
   from jaxrl.models import abstract_model
 
   run_cfg, _, cfg, graphdef, step, params = restore_run(run_dir, step)

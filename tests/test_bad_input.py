@@ -12,9 +12,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, parts as parts_lib
-from jaxrl import rl_step as rl_step_lib, trainer
-from jaxrl.configs.default import get_config
+from jaxrl.runtime import checkpoint
+
+from jaxrl import config as config_lib
+
+from jaxrl.observe import metrics as metrics_lib
+
+from jaxrl.run import parts as parts_lib
+from jaxrl.learner import rl as rl_step_lib
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
 from jaxrl.data.sources import BadRow, CheckedSource
 from jaxrl.envs.base import Task
 from fake_sources import ListSource  # tests/ is on sys.path

@@ -19,13 +19,13 @@ from orbax.checkpoint._src.path import async_path
 
 from conftest import tiny_model_config
 from jaxrl import parallel
-from jaxrl.checkpoint import (Checkpointer, abstract_like, checkpoint_dir, numpy_rng_state,
+from jaxrl.runtime.checkpoint import (Checkpointer, abstract_like, checkpoint_dir, numpy_rng_state,
                               resolve_resume, restore_numpy_rng)
-from jaxrl.checkpoint import CheckpointError, choose_step, step_problem
+from jaxrl.runtime.checkpoint import CheckpointError, choose_step, step_problem
 from jaxrl.models import init_model
-from jaxrl.train_step import (StepConfig, build_train_step, make_optimizer, shard_params,
+from jaxrl.learner.step import (StepConfig, build_train_step, make_optimizer, shard_params,
                               to_rows)
-from jaxrl.types import TrainState
+from jaxrl.core.types import TrainState
 from test_train_step import _batch
 
 TMP = ".orbax-checkpoint-tmp"  # Orbax's name for a step directory being written

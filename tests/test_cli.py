@@ -52,7 +52,7 @@ def test_mesh_that_does_not_divide_the_devices(tmp_path):
 
 def test_unknown_key_in_a_config_file(tmp_path):
   recipe = tmp_path / "recipe.py"
-  recipe.write_text("from jaxrl.configs.default import get_config as base\n"
+  recipe.write_text("from jaxrl.recipes.default import get_config as base\n"
                     "def get_config():\n  c = base()\n  c.train.lr = 0.1\n  return c\n")
   proc = _train([f"--config={recipe}"], tmp_path)
   _assert_failed_before_compiling(proc, "config.train.lr", "config.train.learning_rate")

@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 from jaxrl.config import (ConfigError, MeshShape, distributed_settings, parse_overrides,
                           resolve_microbatches, run_microbatches, shared_prompts, to_dict,
                           validate)
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 
 
 def _problems(cfg, num_devices=1, **kwargs) -> list[str]:
@@ -332,14 +332,15 @@ def test_parse_overrides_reports_every_bad_key():
 
 
 def test_registry_names_are_the_librarys():
-  # The names are spelled once (jaxrl.names, jax-free); the library dispatches on them and a
+  # The names are spelled once (jaxrl.core.names, jax-free); the library dispatches on them and a
   # registry whose implementations differ fails at import.
   import jax.numpy as jnp
-  from jaxrl import losses as L, names
+  from jaxrl import losses as L
+  from jaxrl.core import names
   assert L.POLICY_LOSSES is names.POLICY_LOSSES and tuple(L.policy.POLICIES) == names.POLICY_LOSSES
   assert tuple(L.KL_REDUCTIONS) == names.KL_REDUCTIONS
   with pytest.raises(AssertionError,
-                     match=r"jaxrl.names.X is \('a',\), but the implementations are \('a', 'b'\)"):
+                     match=r"jaxrl.core.names.X is \('a',\), but the implementations are \('a', 'b'\)"):
     names.check_registry("X", ("a",), {"a": 1, "b": 2})
   for name in names.ADVANTAGE_ESTIMATORS:  # every name reaches an implementation
     L.compute_advantages(name, jnp.array([1.0, 0.0]), jnp.zeros(2, jnp.int32), eps=1e-4)

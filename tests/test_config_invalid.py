@@ -9,7 +9,7 @@ key, or a second check that fires with it, fails the case too.
 import pytest
 
 from jaxrl.config import ConfigError, parse_overrides, validate
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.envs import AdditionTask
 from jaxrl.envs.arithmetic import add_lengths
 from test_cli import _assert_failed_before_compiling, _train

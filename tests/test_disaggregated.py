@@ -20,9 +20,9 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.data import left_pad
-from jaxrl.parts import build_parts
+from jaxrl.run.parts import build_parts
 from jaxrl.config import ConfigError, MeshShape
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 
 
 def _cfg(**mesh):

@@ -195,7 +195,7 @@ def test_a_run_distils_from_a_teacher_run_and_a_foreign_teacher_is_refused(tmp_p
 
 def test_distill_keys_are_checked_before_anything_is_built(tmp_path):
   from jaxrl.config import ConfigError, validate
-  from jaxrl.configs.default import get_config
+  from jaxrl.recipes.default import get_config
 
   cfg = get_config()
   cfg.distill.teacher = str(tmp_path)  # no config.json there

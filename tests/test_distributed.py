@@ -12,7 +12,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxrl.config import ConfigError, distributed_settings, validate
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.parallel import distributed
 from jaxrl.parallel.distributed import Detected, EnvError, detect
 from processes import communicate, free_port

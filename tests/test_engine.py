@@ -11,9 +11,9 @@ from flax import nnx
 from conftest import tiny_model_config
 from jaxrl.models import init_model, token_logprobs
 from jaxrl.rollout.engine import Engine, default_buckets
-from jaxrl.rollout.sampler import make_sampler
-from jaxrl.train_step import StepConfig, completion_logprobs
-from jaxrl.types import TrainBatch
+from jaxrl.rollout.static_sampler import make_sampler
+from jaxrl.learner.step import StepConfig, completion_logprobs
+from jaxrl.core.types import TrainBatch
 
 G, N, LP = 3, 8, 8
 # Two end ids that this model (seed 0) emits for these prompts: 5 ends rows at their first

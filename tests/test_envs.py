@@ -152,7 +152,7 @@ def test_built_in_tasks_register_once_with_their_sources():
       "add": envs.AddEnvironment, "countdown": envs.CountdownEnvironment,
       "guess": envs.GuessEnvironment, "math": envs.MathEnvironment}
   assert [n for n, r in envs.TASKS.items() if r.demonstrations] == ["add"]
-  from jaxrl.configs.default import get_config
+  from jaxrl.recipes.default import get_config
   cfg = get_config()
   src = envs.make_source("add", cfg)
   assert [t.prompt for t in src.split("val")] == [

@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl import evaluate, trainer
-from jaxrl.configs.default import get_config
+from jaxrl.cli import evaluate
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
 
 from test_profiling import tiny_cfg
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxrl.evaluation import EvaluationFailed, EvaluationStalled, Evaluator
+from jaxrl.run.validation import EvaluationFailed, EvaluationStalled, Evaluator
 
 
 def test_async_pass_runs_alongside_and_reports_its_step():

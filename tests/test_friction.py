@@ -18,8 +18,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import compile_cache, config, host_memory, metrics, profiling
-from jaxrl.configs.default import get_config
+from jaxrl.runtime import compile_cache, host_memory
+
+from jaxrl import config
+
+from jaxrl.observe import metrics, profiling
+from jaxrl.recipes.default import get_config
 from jaxrl.data.sources import CheckedSource, RowProblem, TooManySkipped
 from jaxrl.envs.base import Task
 from jaxrl.models import ModelConfig
@@ -250,7 +254,7 @@ def test_a_run_with_validation_off_prints_no_nan(tmp_path):
 
 
 def test_a_user_error_on_the_rollout_thread_is_one_line():
-  from jaxrl import train
+  from jaxrl.cli import train
   from jaxrl.pipeline import WorkerFailed
 
   failed = WorkerFailed("rollout worker failed: TooManySkipped: ...\n--- worker traceback ---\n")
@@ -286,7 +290,11 @@ class _HalfTooLong:
 def test_a_stream_that_skips_too_much_stops_training(tmp_path):
   import io
 
-  from jaxrl import config as config_lib, parts as parts_lib, train, trainer
+  from jaxrl import config as config_lib
+
+  from jaxrl.run import parts as parts_lib, trainer
+
+  from jaxrl.cli import train
 
   cfg = get_config()
   cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64
@@ -310,7 +318,7 @@ def test_a_stream_that_skips_too_much_stops_training(tmp_path):
   assert len([r for r in out.rows if r["phase"] == "rl"]) < cfg.train.steps
 
 
-# --- the persistent compilation cache (jaxrl.compile_cache) --------------------------------------
+# --- the persistent compilation cache (jaxrl.runtime.compile_cache) --------------------------------------
 
 def test_compile_cache_directory_is_resolved_from_the_setting():
 
@@ -424,7 +432,7 @@ def test_adam_eps_reaches_the_optimizer():
   # One AdamW update of a parameter whose gradient is g: m = (1 - b1) g, v = (1 - b2) g^2, with
   # bias correction the step is lr * g / (|g| + eps). For g = 1e-6, lr = 1: eps 1e-8 moves it
   # by 0.990, eps 1e-6 by 0.5.
-  from jaxrl.train_step import make_optimizer
+  from jaxrl.learner.step import make_optimizer
 
   for eps, want in ((1e-8, 1e-6 / (1e-6 + 1e-8)), (1e-6, 0.5)):
     opt = make_optimizer(1.0, eps=eps, grad_clip=1e9)

@@ -23,11 +23,13 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from hf_fixtures import llama_files, qwen_files  # noqa: E402  (tests/ is on sys.path)
-from jaxrl import config as config_lib, export, trainer  # noqa: E402
-from jaxrl.configs import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E402
+from jaxrl import config as config_lib  # noqa: E402
+from jaxrl.cli import export
+from jaxrl.run import trainer
+from jaxrl.recipes import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E402
                            qwen2_5_0_5b_gsm8k, qwen2_5_0_5b_gsm8k_lora)
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
-from jaxrl.parts import build_parts, make_tokenizer  # noqa: E402
+from jaxrl.run.parts import build_parts, make_tokenizer  # noqa: E402
 from jaxrl.models import ModelConfig, init_model  # noqa: E402
 from jaxrl.models.hf import load_hf, save_hf  # noqa: E402
 
@@ -116,7 +118,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
                                        start, trained))
   assert max(diffs) > 1e-4
   # ... and exactly the checkpoint's.
-  from jaxrl import checkpoint
+  from jaxrl.runtime import checkpoint
   reader = checkpoint.Checkpointer(checkpoint.checkpoint_dir(str(run_dir)), read_only=True)
   step, saved = reader.restore_params(None, trained)
   reader.close()

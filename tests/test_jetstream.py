@@ -242,8 +242,8 @@ def test_serve_loads_a_run_checkpoint(hf_dir, tmp_path):
   import importlib.util
   import json
 
-  from jaxrl import checkpoint
-  from jaxrl.export import METADATA_DIR, copy_metadata
+  from jaxrl.runtime import checkpoint
+  from jaxrl.cli.export import METADATA_DIR, copy_metadata
   from jaxrl.models.hf import load_hf
 
   path = hf_dir

@@ -15,7 +15,7 @@ from jaxrl.parallel import make_mesh, param_shardings
 from jaxrl.parallel.sharding import (BATCH_AXES, ROLLOUT_ROW_AXES, kv_cache_shardings,
                                      kv_cache_spec, mesh_of)
 from jaxrl.rollout.engine import Engine
-from jaxrl.rollout.sampler import make_sampler
+from jaxrl.rollout.static_sampler import make_sampler
 from jaxrl.rollout.samplers import rows_over
 
 # tiny_model_config: 2 layers, 2 kv heads of 8 dims.

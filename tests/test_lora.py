@@ -15,16 +15,18 @@ from flax import nnx
 
 from conftest import tiny_model_config
 from jaxrl import config as config_lib
-from jaxrl import checkpoint, parallel, trainer
-from jaxrl import run_dir as run_dir_lib
-from jaxrl.configs.default import get_config
+from jaxrl.runtime import checkpoint
+from jaxrl import parallel
+from jaxrl.run import trainer
+from jaxrl.run import run_dir as run_dir_lib
+from jaxrl.recipes.default import get_config
 from jaxrl.models import KVCache, abstract_model, init_model, left_positions
 from jaxrl.models import lora
-from jaxrl.parts import build_parts
-from jaxrl.rl_step import lora_model
-from jaxrl.train_step import (StepConfig, build_train_step, completion_logprobs, make_optimizer,
+from jaxrl.run.parts import build_parts
+from jaxrl.learner.rl import lora_model
+from jaxrl.learner.step import (StepConfig, build_train_step, completion_logprobs, make_optimizer,
                               model_params)
-from jaxrl.types import TrainBatch
+from jaxrl.core.types import TrainBatch
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 

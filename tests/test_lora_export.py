@@ -27,12 +27,16 @@ from flax import nnx
 
 pytest.importorskip("safetensors")
 
-from jaxrl import checkpoint, config as config_lib, export  # noqa: E402
-from jaxrl.configs import llama3_2_1b_gsm8k_lora, qwen2_5_0_5b_gsm8k_lora  # noqa: E402
+from jaxrl.runtime import checkpoint  # noqa: E402
+
+from jaxrl import config as config_lib
+
+from jaxrl.cli import export
+from jaxrl.recipes import llama3_2_1b_gsm8k_lora, qwen2_5_0_5b_gsm8k_lora  # noqa: E402
 from jaxrl.models import ModelConfig, abstract_model  # noqa: E402
 from jaxrl.models import lora as lora_lib  # noqa: E402
 from jaxrl.models.hf import load_hf, save_hf  # noqa: E402
-from jaxrl.types import TrainState  # noqa: E402
+from jaxrl.core.types import TrainState  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -329,7 +333,7 @@ def test_lora_recipes_are_the_full_recipes_with_adapters(tmp_path):
   pytest.importorskip("tokenizers")
   pytest.importorskip("jinja2")
   from hf_fixtures import llama_files, qwen_files  # tests/ is on sys.path
-  from jaxrl.configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k
+  from jaxrl.recipes import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k
 
   data = tmp_path / "gsm8k.jsonl"
   data.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
@@ -427,7 +431,7 @@ def test_peft_adapter_and_merged_export_match_jaxrl_logits(tmp_path, family, cap
 @pytest.mark.slow
 def test_lora_recipe_run_exports_adapter_and_merged_model(tmp_path, capsys):
   from test_hf_recipe import _jsonl, _model_dir  # tests/ is on sys.path
-  from jaxrl import trainer
+  from jaxrl.run import trainer
 
   model_dir, _ = _model_dir(tmp_path, "qwen2")
   run_dir = tmp_path / "run"

@@ -26,12 +26,12 @@ from loss_checks import close, kl_inputs, rounded, tol
 from conftest import tiny_model_config
 from jaxrl import parallel
 from jaxrl.config import ConfigError, parse_overrides, validate
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.models import init_model
-from jaxrl.rl_step import rl_step_config
-from jaxrl.train_step import (StepConfig, build_train_step, completion_logprobs, make_optimizer,
+from jaxrl.learner.rl import rl_step_config
+from jaxrl.learner.step import (StepConfig, build_train_step, completion_logprobs, make_optimizer,
                               shard_params)
-from jaxrl.types import TrainBatch
+from jaxrl.core.types import TrainBatch
 
 B, N = 6, 5
 DTYPES = [jnp.float32, jnp.bfloat16]

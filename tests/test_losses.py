@@ -73,9 +73,9 @@ def test_losses_imports_only_types_and_itself():
         top = name.split(".")[0]
         assert top not in ("flax", "optax", "torch"), f"{path.name} imports {name}"
         if top == "jaxrl":
-          # jaxrl.names: the registries' names, plain tuples (no imports of its own).
-          assert name in ("jaxrl.types", "jaxrl.names") or name.startswith(
-              ("jaxrl.types.", "jaxrl.names.", "jaxrl.losses")), f"{path.name} imports {name}"
+          # jaxrl.core.names: the registries' names, plain tuples (no imports of its own).
+          assert name in ("jaxrl.core.types", "jaxrl.core.names") or name.startswith(
+              ("jaxrl.core.types.", "jaxrl.core.names.", "jaxrl.losses")), f"{path.name} imports {name}"
   assert "jaxrl.losses.stats" in seen  # the walk really saw the package's own imports
 
 

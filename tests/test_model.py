@@ -11,7 +11,7 @@ from jaxrl.models import KVCache, init_model
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.models.transformer import (MASK_VALUE, ONE_HOT_EMBED_MAX_VOCAB, attention,
                                       embed_lookup, left_positions)
-from jaxrl.rollout.sampler import make_sampler
+from jaxrl.rollout.static_sampler import make_sampler
 
 VARIANTS = {
     "llama_unrolled": {"scan_layers": False},

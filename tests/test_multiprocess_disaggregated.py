@@ -44,7 +44,7 @@ def _rows(path, phase="rl") -> list[dict]:
 # process generates it. (`samplers.partial_source` is the documented seam for this.)
 GATED = r"""
 import sys, threading, time
-from jaxrl import train
+from jaxrl.cli import train
 from jaxrl.pipeline import producer as producer_lib
 from jaxrl.rollout import samplers
 

@@ -29,9 +29,11 @@ import io, json, os, sys, threading, time
 import jax
 from jaxrl.parallel import distributed
 distributed.join("", 1, 0, 60, auto=True, env=os.environ)
-from jaxrl import config as config_lib, metrics as metrics_lib, trainer
-from jaxrl.configs.default import get_config
-from jaxrl.parts import build_parts
+from jaxrl import config as config_lib
+from jaxrl.observe import metrics as metrics_lib
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
+from jaxrl.run.parts import build_parts
 from jaxrl.pipeline import producer as producer_lib
 from jaxrl.rollout import samplers, scheduler
 

@@ -1,4 +1,4 @@
-"""Tests for the run chart (jaxrl.plotting, metrics.write_chart) and `python -m jaxrl.plot`.
+"""Tests for the run chart (jaxrl.observe.curves, metrics.write_chart) and `python -m jaxrl.plot`.
 
 Charts are read back from the PNG: a panel is "drawn" when its axes area holds saturated pixels
 (the data lines; frame, grid and text are grey), so a panel that silently lost its data fails.
@@ -15,7 +15,9 @@ import numpy as np
 from matplotlib import image as mpimg
 from matplotlib.colors import to_rgb
 
-from jaxrl import metrics, plot, plotting
+from jaxrl.observe import metrics, curves as plotting
+
+from jaxrl.cli import plot
 
 TITLE = "jaxrl test: GRPO on add"
 

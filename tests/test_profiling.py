@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl import profiling, trainer
-from jaxrl.configs.default import get_config
+from jaxrl.observe import profiling
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
 from jaxrl.models import ModelConfig
 
 PERF_PHASES = ("perf/wait_s", "perf/train_s", "perf/publish_s", "perf/val_s")

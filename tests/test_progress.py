@@ -1,4 +1,4 @@
-"""Tests for jaxrl.metrics.Progress: the plain lines of a log file, the rich bar of a terminal."""
+"""Tests for jaxrl.observe.metrics.Progress: the plain lines of a log file, the rich bar of a terminal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 from rich.console import Console
 
-from jaxrl.metrics import Progress
+from jaxrl.observe.metrics import Progress
 
 
 def _drive(p: Progress) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl.configs.default import get_config
+from jaxrl.recipes.default import get_config
 from jaxrl.envs import Turn, call_step, make_env, make_source, registry
 from test_cli import _train
 
@@ -199,7 +199,7 @@ def test_naming_a_reasoning_gym_task_without_the_package_is_a_config_error():
   # `None` in sys.modules makes `import reasoning_gym` fail as if it were not installed.
   code = ("import sys; sys.modules['reasoning_gym'] = None\n"
           "from jaxrl import config\n"
-          "from jaxrl.configs.default import get_config\n"
+          "from jaxrl.recipes.default import get_config\n"
           "cfg = get_config(); cfg.task.name = 'add+reasoning_gym:leg_counting'\n"
           "try:\n  config.validate(cfg, 1)\n"
           "except config.ConfigError as e:\n  print(e)\n")

@@ -6,10 +6,10 @@ from jax._src import dispatch, monitoring
 
 from jaxrl import config as config_lib, parallel
 from jaxrl.data import left_pad
-from jaxrl.configs.default import get_config
-from jaxrl.evaluation import Evaluator
-from jaxrl.parts import build_parts
-from jaxrl.types import TrainBatch
+from jaxrl.recipes.default import get_config
+from jaxrl.run.validation import Evaluator
+from jaxrl.run.parts import build_parts
+from jaxrl.core.types import TrainBatch
 
 
 def _small_config():
@@ -26,7 +26,7 @@ def _small_config():
 def test_no_recompilation_after_second_step():
   cfg = _small_config()
   parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
-  from jaxrl.train_step import StepConfig, build_train_step, make_optimizer
+  from jaxrl.learner.step import StepConfig, build_train_step, make_optimizer
   step_fn, init = build_train_step(parts.graphdef, make_optimizer(1e-3), StepConfig(), parts.mesh,
                                    params)
   events = []

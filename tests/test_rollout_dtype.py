@@ -16,15 +16,15 @@ import pytest
 from flax import nnx
 
 from jaxrl import config as config_lib
-from jaxrl import trainer
-from jaxrl.configs.default import get_config
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
 from jaxrl.data import left_pad
-from jaxrl.evaluation import evaluate
+from jaxrl.run.validation import evaluate
 from jaxrl.models import KVCache
-from jaxrl.parts import build_parts
+from jaxrl.run.parts import build_parts
 from jaxrl.rollout.precision import cast_params, rollout_dtype
-from jaxrl.train_step import StepConfig, completion_logprobs
-from jaxrl.types import TrainBatch
+from jaxrl.learner.step import StepConfig, completion_logprobs
+from jaxrl.core.types import TrainBatch
 
 
 def _cfg(dtype="bfloat16", **over):

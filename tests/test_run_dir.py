@@ -21,10 +21,16 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxrl import checkpoint, config as config_lib, metrics as metrics_lib, trainer
-from jaxrl.parts import build_parts
-from jaxrl.run_dir import LOCK_FILE, RunDirError, RunDirLock
-from jaxrl.signals import Stop
+from jaxrl.runtime import checkpoint
+
+from jaxrl import config as config_lib
+
+from jaxrl.observe import metrics as metrics_lib
+
+from jaxrl.run import trainer
+from jaxrl.run.parts import build_parts
+from jaxrl.run.run_dir import LOCK_FILE, RunDirError, RunDirLock
+from jaxrl.run.signals import Stop
 
 from test_bad_input import _poison, _tiny_cfg
 

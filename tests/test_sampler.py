@@ -7,9 +7,9 @@ import pytest
 
 from conftest import tiny_model_config
 from jaxrl.models import init_model
-from jaxrl.rollout.sampler import filter_logits, make_sampler
-from jaxrl.train_step import StepConfig, completion_logprobs
-from jaxrl.types import TrainBatch
+from jaxrl.rollout.static_sampler import filter_logits, make_sampler
+from jaxrl.learner.step import StepConfig, completion_logprobs
+from jaxrl.core.types import TrainBatch
 
 G, N = 4, 8
 EOS = 1

@@ -1,4 +1,4 @@
-"""Metric sinks (`jaxrl.sinks`): every number of metrics.jsonl reaches TensorBoard and W&B
+"""Metric sinks (`jaxrl.observe.sinks`): every number of metrics.jsonl reaches TensorBoard and W&B
 (offline) at its phase's step, including validation rows written after later RL rows; a resumed
 run continues both without a duplicated step; a sink that fails is reported once and dropped;
 a bad `logging.backends` is one config line.
@@ -23,8 +23,12 @@ import time
 import jax
 import pytest
 
-from jaxrl import config as config_lib, metrics as metrics_lib, sinks, trainer
-from jaxrl.configs.default import get_config
+from jaxrl import config as config_lib
+
+from jaxrl.observe import metrics as metrics_lib, sinks
+
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
 
 pytest.importorskip("tensorboardX")
 pytest.importorskip("wandb")
@@ -130,7 +134,7 @@ def _rows(run_dir):
 
 def _numbers(rows):
   """[(phase, step, {tag: value})] for each row, written out here rather than taken from
-  `jaxrl.sinks`: every int and float (bools as 0/1) but `step`, tagged `<phase>/<key>` unless the
+  `jaxrl.observe.sinks`: every int and float (bools as 0/1) but `step`, tagged `<phase>/<key>` unless the
   key already starts with `<phase>/`; the summary row (no step) at the last RL step."""
   out, last_rl = [], 0
   for r in rows:

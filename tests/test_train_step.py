@@ -10,9 +10,9 @@ import numpy as np
 from conftest import tiny_model_config
 from jaxrl import losses, parallel
 from jaxrl.models import init_model
-from jaxrl.train_step import (StepConfig, build_train_step, learning_rate_schedule, make_optimizer,
+from jaxrl.learner.step import (StepConfig, build_train_step, learning_rate_schedule, make_optimizer,
                               row_shards, shard_params)
-from jaxrl.types import TrainBatch
+from jaxrl.core.types import TrainBatch
 
 B, LP, N = 16, 6, 5
 

@@ -10,8 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import config as config_lib, trainer
-from jaxrl.parts import build_parts
+from jaxrl import config as config_lib
+
+from jaxrl.run import trainer
+from jaxrl.run.parts import build_parts
 
 from test_bad_input import _tiny_cfg
 

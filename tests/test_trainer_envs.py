@@ -12,9 +12,13 @@ import time
 import jax
 import pytest
 
-from jaxrl import config as config_lib, metrics as metrics_lib, trainer
+from jaxrl import config as config_lib
+
+from jaxrl.observe import metrics as metrics_lib
+
+from jaxrl.run import trainer
 from jaxrl.envs import make_env
-from jaxrl.parts import build_parts
+from jaxrl.run.parts import build_parts
 
 from test_bad_input import _tiny_cfg
 from test_cli import _rl_rows, _tiny, _train

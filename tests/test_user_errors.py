@@ -76,15 +76,15 @@ CASES = {
     "config_file_missing": (lambda d: ["--config=nope.py"],
                             ["jaxrl: config file nope.py: no such file"]),
     "config_file_without_get_config": (
-        _recipe("from jaxrl.configs.default import get_config as base\n\n"
+        _recipe("from jaxrl.recipes.default import get_config as base\n\n"
                 "def get_cofig():\n  return base()\n"),
         ["jaxrl: config file recipe.py: defines no get_config()", "get_cofig"]),
     "config_file_syntax_error": (
-        _recipe("from jaxrl.configs.default import get_config as base\n\n"
+        _recipe("from jaxrl.recipes.default import get_config as base\n\n"
                 "def get_config(:\n  return base()\n"),
         ["jaxrl: config file recipe.py: syntax error at line 3"]),
     "config_file_raises": (
-        _recipe("from jaxrl.configs.default import get_config as base\n\n"
+        _recipe("from jaxrl.recipes.default import get_config as base\n\n"
                 "def get_config():\n  c = base()\n  c.train.steps = {}[\"steps\"]\n  return c\n"),
         ["jaxrl: config file recipe.py: get_config() raised KeyError at line 5",
          "'steps'"]),
@@ -221,7 +221,7 @@ def test_read_only_run_dir_is_named(tmp_path, monkeypatch):
   # The CLI case above needs a user that permissions stop (root writes anywhere); here the
   # permission check itself answers no.
   from jaxrl.config import ConfigError, parse_overrides, validate
-  from jaxrl.configs.default import get_config
+  from jaxrl.recipes.default import get_config
 
   (tmp_path / "ro").mkdir()
   monkeypatch.setattr(os, "access", lambda path, mode: not str(path).endswith("ro"))
@@ -234,11 +234,11 @@ def test_read_only_run_dir_is_named(tmp_path, monkeypatch):
 
 
 def test_user_errors_keep_their_builtin_classes_and_print_one_line():
-  from jaxrl import train
+  from jaxrl.cli import train
   from jaxrl.config import ConfigError, RecipeError
   from jaxrl.data.hf_files import HFTokenizerError
   from jaxrl.data.sources import BadRow
-  from jaxrl.errors import DataFileError, UserError
+  from jaxrl.core.errors import DataFileError, UserError
   from jaxrl.models.hf import HFCheckpointError, UnsupportedModelError
 
   for cls in (ConfigError, RecipeError, HFTokenizerError, BadRow, DataFileError,

@@ -1,4 +1,4 @@
-"""The warm-up cache (`jaxrl.warmup_cache`, `sft.cache`): where it lives, what its key covers, that
+"""The warm-up cache (`jaxrl.run.warmup_cache`, `sft.cache`): where it lives, what its key covers, that
 an entry round-trips exactly and a bad one is a miss, and that a second run loads the warm-up and
 then runs exactly the run it would have run."""
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl import trainer, warmup_cache
-from jaxrl.configs.default import get_config
+from jaxrl.run import trainer, warmup_cache
+from jaxrl.recipes.default import get_config
 from jaxrl.envs.arithmetic import Problem
 from test_profiling import tiny_cfg
 
@@ -219,9 +219,11 @@ import jax
 import numpy as np
 from jaxrl.parallel import distributed
 distributed.join("", 1, 0, 60, auto=True, env=os.environ)
-from jaxrl import config as config_lib, metrics as metrics_lib, trainer
-from jaxrl.configs.default import get_config
-from jaxrl.parts import build_parts
+from jaxrl import config as config_lib
+from jaxrl.observe import metrics as metrics_lib
+from jaxrl.run import trainer
+from jaxrl.recipes.default import get_config
+from jaxrl.run.parts import build_parts
 
 cfg = get_config()
 cfg.model.d_model, cfg.model.head_dim, cfg.model.mlp_dim = 32, 16, 64

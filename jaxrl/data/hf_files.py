@@ -20,7 +20,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from jaxrl.errors import UserError
+from jaxrl.core.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

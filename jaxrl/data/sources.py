@@ -19,7 +19,7 @@ from typing import (TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, Seq
 
 import numpy as np
 
-from jaxrl.errors import UserError
+from jaxrl.core.errors import UserError
 
 if TYPE_CHECKING:  # only for annotations: environment modules import this module
   from jaxrl.envs.base import Task

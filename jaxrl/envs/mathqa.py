@@ -57,7 +57,7 @@ import numpy as np
 from jaxrl.data.sources import SplitSource, alphabet_of
 from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
 from jaxrl.envs.registry import register
-from jaxrl.errors import DataFileError
+from jaxrl.core.errors import DataFileError
 
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 # A minus sign belongs to the number unless it follows a word or a closing bracket ("3-5").

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import ADVANTAGE_ESTIMATORS
+from jaxrl.core.names import ADVANTAGE_ESTIMATORS
 
 
 def _stats(rewards, group_id, valid):

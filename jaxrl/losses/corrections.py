@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import CORRECTIONS, WEIGHTING
+from jaxrl.core.names import CORRECTIONS, WEIGHTING
 _LOG_CLAMP = 20.0
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import KL_ESTIMATORS
+from jaxrl.core.names import KL_ESTIMATORS
 
 
 def kl_estimate(lp: jax.Array, lp_base: jax.Array, estimator: str = "k2", mask=None, *,

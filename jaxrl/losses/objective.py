@@ -31,7 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import KL_REDUCTIONS as KL_REDUCTION_NAMES, check_registry
+from jaxrl.core.names import KL_REDUCTIONS as KL_REDUCTION_NAMES, check_registry
 from jaxrl.losses import corrections as corr
 from jaxrl.losses import stats as st
 from jaxrl.losses.distill import reverse_kl, reverse_kl_advantages

@@ -57,7 +57,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import POLICY_LOSSES, check_registry
+from jaxrl.core.names import POLICY_LOSSES, check_registry
 
 
 class PolicyLoss(NamedTuple):

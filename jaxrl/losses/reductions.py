@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.names import REDUCTIONS
+from jaxrl.core.names import REDUCTIONS
 
 
 def reduce(name: str, x: jax.Array, mask: jax.Array, norm_len: int | None = None

@@ -30,7 +30,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxrl.errors import UserError
+from jaxrl.core.errors import UserError
 from jaxrl.models.transformer import DTYPES, ModelConfig, abstract_model
 
 CONFIG_FILE = "config.json"

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl import names
+from jaxrl.core import names
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 # Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to

@@ -33,18 +33,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl import checkpoint
+from jaxrl.runtime import checkpoint
 from jaxrl import config as config_lib
-from jaxrl import metrics as metrics_lib
+from jaxrl.observe import metrics as metrics_lib
 from jaxrl import parallel
-from jaxrl.loop_state import from_json_num, json_num
+from jaxrl.run.loop_state import from_json_num, json_num
 from jaxrl.pipeline import dynamic_sampling
 from jaxrl.pipeline.data_plane import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
 from jaxrl.pipeline.staleness import row_versions
 from jaxrl.rollout.multi_turn import Episodes
 from jaxrl.rollout.precision import cast_first, cast_params, needs_cast, rollout_dtype
-from jaxrl.types import TrainBatch
+from jaxrl.core.types import TrainBatch
 
 # Per-row outcomes of `Episodes` kept as host tags of a batch's metadata, not device fields.
 HOST_ROWS = ("turns", "terminated", "truncated", "failed")

@@ -36,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl import metrics as metrics_lib
+from jaxrl.observe import metrics as metrics_lib
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.pipeline.handoff import ParamsHandoff

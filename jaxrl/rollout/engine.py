@@ -81,7 +81,7 @@ from flax import nnx
 
 from jaxrl.models.transformer import KVCache
 from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache, mesh_of
-from jaxrl.rollout.sampler import eos_tuple, is_eos, pick_tokens
+from jaxrl.rollout.static_sampler import eos_tuple, is_eos, pick_tokens
 from jaxrl.rollout.scheduler import EngineOutput, Requests, Scheduler
 
 

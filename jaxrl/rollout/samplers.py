@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxrl.rollout.engine import Engine
-from jaxrl.rollout.sampler import SampleOutput, make_sampler
+from jaxrl.rollout.static_sampler import SampleOutput, make_sampler
 
 # `newest() -> (version, params) | None`: the newest published params (partial rollouts).
 NewestParams = Callable[[], "tuple[int, object] | None"]

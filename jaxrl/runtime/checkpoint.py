@@ -47,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxrl.errors import UserError
+from jaxrl.core.errors import UserError
 
 CHECKPOINT_SUBDIR = "checkpoints"
 _ITEMS = ("state", "host")

@@ -7,7 +7,7 @@ rope scaling and tied embeddings; its chat template writes a dated system header
 generation ends at either <|eot_id|> or <|end_of_text|> (generation_config.json lists both).
 """
 
-from jaxrl.configs import qwen2_5_0_5b_gsm8k
+from jaxrl.recipes import qwen2_5_0_5b_gsm8k
 
 
 def get_config():

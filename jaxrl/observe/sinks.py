@@ -1,12 +1,12 @@
 """Metric sinks: every row of `metrics.jsonl` also goes to TensorBoard and Weights & Biases.
 
 `config.logging.backends` is a comma list of registered backend names (`jsonl`, always on, is
-`jaxrl.metrics.MetricsWriter` itself; `tensorboard`; `wandb`). `MetricsWriter` builds one `Sink`
+`jaxrl.observe.metrics.MetricsWriter` itself; `tensorboard`; `wandb`). `MetricsWriter` builds one `Sink`
 per other backend on process 0 only and passes every row to each, after its line is in
 metrics.jsonl; a sink that raises is reported in one line and dropped (the run and metrics.jsonl
 go on). No jax here, and no backend package is imported before its sink is built: config
 validation (`jaxrl.config`) asks this registry for the names (`backend_names`) and
-`jaxrl.preflight` for missing packages (`missing_packages`).
+`jaxrl.config.preflight` for missing packages (`missing_packages`).
 
 What a sink receives (`scalars`): the row's numbers under per-phase tags, so sft step 10 and rl
 step 10 never share a series: `tag(phase, key)` is `key` when it already starts with
@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-# The key of `jaxrl.configs.default` that picks the backends.
+# The key of `jaxrl.recipes.default` that picks the backends.
 KEY = "logging.backends"
 
 

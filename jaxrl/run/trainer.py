@@ -11,10 +11,10 @@ config. Phases:
    rollout producer on its own thread, which with `dynamic_sampling.enabled` drops groups without
    reward variance while keeping every batch at P whole groups;
 3. held-out accuracy on `val` before RL, every `val.every` steps and at the end
-   (`jaxrl.evaluation`, generated on a thread while training goes on, `val.asynchronous`).
+   (`jaxrl.run.validation`, generated on a thread while training goes on, `val.asynchronous`).
 
-Where the rest lives: what a run is built from in `jaxrl.parts`, the RL step in `jaxrl.rl_step`,
-batches in `jaxrl.pipeline.producer`, checkpointed loop state in `jaxrl.loop_state`.
+Where the rest lives: what a run is built from in `jaxrl.run.parts`, the RL step in `jaxrl.learner.rl`,
+batches in `jaxrl.pipeline.producer`, checkpointed loop state in `jaxrl.run.loop_state`.
 """
 
 from __future__ import annotations
@@ -30,26 +30,29 @@ import numpy as np
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
-from jaxrl import checkpoint, export
+from jaxrl.runtime import checkpoint
+
+from jaxrl.cli import export
 from jaxrl import config as config_lib
-from jaxrl import metrics as metrics_lib
-from jaxrl import parallel, profiling
-from jaxrl import run_dir as run_dir_lib
-from jaxrl import warmup_cache
-from jaxrl.evaluation import Evaluator
-from jaxrl.loop_state import LoopState
+from jaxrl.observe import metrics as metrics_lib
+from jaxrl import parallel
+from jaxrl.observe import profiling
+from jaxrl.run import run_dir as run_dir_lib
+from jaxrl.run import warmup_cache
+from jaxrl.run.validation import Evaluator
+from jaxrl.run.loop_state import LoopState
 from jaxrl.models import lora as lora_lib
-from jaxrl.parts import Parts, build_parts
+from jaxrl.run.parts import Parts, build_parts
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline import remote
 from jaxrl.pipeline.producer import RingItem, RolloutProducer, process_share, train_fields
 from jaxrl.pipeline.staleness import staleness_from_rows
-from jaxrl.rl_step import CompileAhead, build_rl_step, logprob_impl, lora_model
+from jaxrl.learner.rl import CompileAhead, build_rl_step, logprob_impl, lora_model
 from jaxrl.rollout.precision import rollout_dtype
-from jaxrl.signals import Stop  # noqa: F401  (python -m jaxrl.train installs it)
-from jaxrl.train_step import StepConfig, build_train_step, make_optimizer, model_params, to_rows
-from jaxrl.types import TrainBatch
+from jaxrl.run.signals import Stop  # noqa: F401  (python -m jaxrl.train installs it)
+from jaxrl.learner.step import StepConfig, build_train_step, make_optimizer, model_params, to_rows
+from jaxrl.core.types import TrainBatch
 
 
 class TrainingHalted(RuntimeError):
@@ -61,7 +64,7 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
   """Supervised warm-up from `params`; returns `(params, summary)`. A stop signal ends it early
   (it is not checkpointed: a resumed run starts from the first RL checkpoint, and a run stopped
   before one starts over). With `sft.cache` a warm-up this machine has computed before is loaded
-  instead of run (`jaxrl.warmup_cache`): the same parameters and metrics rows."""
+  instead of run (`jaxrl.run.warmup_cache`): the same parameters and metrics rows."""
   cfg = parts.cfg.sft
   if not cfg.enabled or cfg.max_steps == 0:
     return params, {"sft/steps": 0}
@@ -111,7 +114,7 @@ def warmup(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metri
 
 
 class _WarmupCache:
-  """`jaxrl.warmup_cache` for one run's warm-up. Every process takes the same branch: whether the
+  """`jaxrl.run.warmup_cache` for one run's warm-up. Every process takes the same branch: whether the
   cache is used at all is the config's (`sft.cache` empty or not, the same everywhere), a hit
   needs the entry on every process (each reads its own copy), and every process takes part in
   gathering the parameters to store (a process whose "auto" resolves to no directory counts as a
@@ -160,7 +163,7 @@ def step_metrics(parts: Parts, step: int, batch_id: int, item: RingItem, lag: in
                  train: dict, loop: LoopState, pipe: dict, evaluator: Evaluator,
                  perf: dict, elapsed_s: float) -> dict:
   """The metrics row of RL step `step`, which trained on batch `batch_id` (`item`); `perf` is
-  its time breakdown (`jaxrl.profiling.StepPerf.metrics`)."""
+  its time breakdown (`jaxrl.observe.profiling.StepPerf.metrics`)."""
   meta, consumer = item.meta, step - 1  # versions published so far: one per completed step
   rewards = meta.tags["reward"]
   mixed = [np.ptp(rewards[g]) > 0 for g in meta.group_rows()]
@@ -206,7 +209,7 @@ def rl(parts: Parts, params, out: metrics_lib.MetricsWriter, progress: metrics_l
   before its step: a seam for fault injection and debugging. `rl_step` is `build_rl_step(parts,
   params)` when the caller built it already (None: built here); `ahead`, a `CompileAhead`
   compiling that step, is waited for before the first update. `run_dir`: where
-  `profile.steps` writes its trace (`jaxrl.profiling`; None: no trace). `started`: the
+  `profile.steps` writes its trace (`jaxrl.observe.profiling`; None: no trace). `started`: the
   `time.monotonic()` of the process's start, from which the time to the first RL step is
   printed and kept in the summary (`perf/first_rl_step_s`). `sender`: the train side of a run
   disaggregated across processes (`jaxrl.pipeline.remote`): the batches come from the rollout
@@ -386,7 +389,7 @@ def run(cfg: ConfigDict, run_dir: str, mesh_shape: config_lib.MeshShape, stop=No
   checkpoints under `<run_dir>/checkpoints`.
 
   The data, model files and tokenizer are checked (and the model built) before anything is
-  written. The run then owns `run_dir` (`jaxrl.run_dir`: a lock, one run per directory) and
+  written. The run then owns `run_dir` (`jaxrl.run.run_dir`: a lock, one run per directory) and
   decides how it starts (`run_dir.decide`): from a checkpoint (`resume`: auto | none | a path or
   one step of it; the newest usable one, checked against the config), its own checkpoint's
   metrics.jsonl cut back to the lines written when it was saved, so the resumed run continues the

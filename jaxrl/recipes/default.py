@@ -29,7 +29,7 @@ def get_config() -> ConfigDict:
   # Show the Python traceback of an error instead of the one-line `jaxrl: ...` message (also
   # with the environment variable JAXRL_DEBUG=1).
   c.debug = False
-  # Persistent compilation cache (jaxrl.compile_cache): "auto" = $JAX_COMPILATION_CACHE_DIR or
+  # Persistent compilation cache (jaxrl.runtime.compile_cache): "auto" = $JAX_COMPILATION_CACHE_DIR or
   # ~/.cache/jaxrl/xla; a path; "" = off. A second run of the same config starts in seconds.
   c.compile_cache = "auto"
   # LLVM optimisation level of XLA's CPU programs (XLA_FLAGS --xla_backend_optimization_level)
@@ -42,7 +42,7 @@ def get_config() -> ConfigDict:
   # emitters) the cold run of issue 22's workload peaked at ~550 MiB instead of ~910 and compiled
   # faster; its train step ran a few ms slower. Metrics agree to float rounding, not bit for bit.
   c.xla_cpu_fusion_emitters = False
-  # On a CPU-only install, glibc malloc keeps freed memory mapped (jaxrl.host_memory): XLA's
+  # On a CPU-only install, glibc malloc keeps freed memory mapped (jaxrl.runtime.host_memory): XLA's
   # per-call temporary buffers stop page-faulting afresh every call (issue 22's train step: ~30%
   # faster), for resident memory kept for reuse. Skipped when MALLOC_* or GLIBC_TUNABLES are set.
   c.host_malloc_tuning = True
@@ -53,7 +53,7 @@ def get_config() -> ConfigDict:
   c.checkpoint.async_save = True  # write in the background while training goes on
 
   # Where every metrics row goes besides <run_dir>/metrics.jsonl (always written), on process 0
-  # (jaxrl.sinks; README "Watching a run").
+  # (jaxrl.observe.sinks; README "Watching a run").
   c.logging = ConfigDict()
   # Comma list of: jsonl | tensorboard (event files in <run_dir>/tensorboard/<phase>/, pip extra
   # `tensorboard`) | wandb (a Weights & Biases run, files in <run_dir>/wandb/, pip extra `wandb`).
@@ -150,7 +150,7 @@ def get_config() -> ConfigDict:
   c.sft.stop_accuracy = 0.3  # stop warm-up at the first dev greedy accuracy >= this
   c.sft.eval_every = 5  # fine enough that every machine stops near the same accuracy
   c.sft.max_steps = 1500  # hard cap; the run says so if it stopped on the cap
-  # Warm-up cache (jaxrl.warmup_cache): a run whose warm-up this machine has computed before (same
+  # Warm-up cache (jaxrl.run.warmup_cache): a run whose warm-up this machine has computed before (same
   # model, data, warm-up keys, code, versions and backend; RL keys may differ) loads its result
   # instead: the same parameters and metrics rows. "auto" = $JAXRL_WARMUP_CACHE_DIR or
   # ~/.cache/jaxrl/warmup; a path; "" = off (always train the warm-up).
@@ -316,7 +316,7 @@ def get_config() -> ConfigDict:
   c.env = ConfigDict()
   c.env.timeout_s = 60.0  # an environment call slower than this fails its rows for the batch
 
-  # Profiling and the per-step time breakdown (jaxrl.profiling).
+  # Profiling and the per-step time breakdown (jaxrl.observe.profiling).
   c.profile = ConfigDict()
   # "A:B": a jax.profiler trace of RL steps A..B (inclusive, 1-based) into <run_dir>/profile/,
   # for TensorBoard's profile plugin or Perfetto (process 0 only); "" = off.

@@ -18,7 +18,7 @@ on a CPU use toy sizes, e.g.
       --config.val.batch_size=8 --config.train.steps=3
 """
 
-from jaxrl.configs import default
+from jaxrl.recipes import default
 
 
 def get_config():

@@ -12,8 +12,8 @@ import math
 import os
 from typing import Any
 
-from jaxrl.config_schema import PREFIX
-from jaxrl import sinks
+from jaxrl.config.schema import PREFIX
+from jaxrl.observe import sinks
 from jaxrl.data import hf_files
 
 RUN_ROOT = "runs"  # where a run without config.run_dir goes: ./runs/<name>-<timestamp>

@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
 from jaxrl import parallel
-from jaxrl import teacher as teacher_lib
+from jaxrl.learner import teacher as teacher_lib
 from jaxrl.data import left_pad
 from jaxrl.data.sources import CheckedSource, MixedSource, RowProblem, SkipReport
 from jaxrl.data.tokenizer import CharTokenizer
@@ -38,8 +38,8 @@ from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollou
                                      rollout_model)
 from jaxrl.pipeline.remote import sides as remote_sides
 from jaxrl.rollout.samplers import NewestParams, build_samplers
-from jaxrl.train_step import shard_params
-from jaxrl.types import TrainBatch
+from jaxrl.learner.step import shard_params
+from jaxrl.core.types import TrainBatch
 
 
 def task_source(cfg):

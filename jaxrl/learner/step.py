@@ -43,8 +43,8 @@ from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
 from jaxrl.models.transformer import KVCache, continuation_positions, left_positions
-from jaxrl.names import LR_SCHEDULES
-from jaxrl.types import TrainBatch, TrainState
+from jaxrl.core.names import LR_SCHEDULES
+from jaxrl.core.types import TrainBatch, TrainState
 
 
 @dataclasses.dataclass(frozen=True)

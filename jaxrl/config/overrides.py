@@ -12,8 +12,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl.config_schema import PREFIX, ConfigError, flatten, is_section, unknown_key
-from jaxrl.configs import default as default_config
+from jaxrl.config.schema import PREFIX, ConfigError, flatten, is_section, unknown_key
+from jaxrl.recipes import default as default_config
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
@@ -41,7 +41,7 @@ def parse_overrides(cfg: ConfigDict, argv: list[str],
                     problems: list[str] | None = None) -> ConfigDict:
   """Returns a copy of `cfg` with `--config.a.b=value` arguments from `argv` applied.
 
-  Values are parsed by the type of the key in `jaxrl.configs.default` (int, float, bool as
+  Values are parsed by the type of the key in `jaxrl.recipes.default` (int, float, bool as
   true/false/1/0 in any case, str verbatim). Arguments not starting with `--config.` are
   ignored, so `argv` may be the full command line. Later overrides of the same key win.
 

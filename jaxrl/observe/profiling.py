@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl.config_schema import parse_profile_steps
+from jaxrl.config.schema import parse_profile_steps
 
 PROFILE_SUBDIR = "profile"
 PHASES = ("wait", "train", "publish", "val")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ml_collections import ConfigDict
 
-from jaxrl.errors import UserError
+from jaxrl.core.errors import UserError
 
 
 class RecipeError(UserError, ValueError):
@@ -84,5 +84,5 @@ def load_recipe(path: str) -> ConfigDict:
     cfg = ConfigDict(cfg)
   if not isinstance(cfg, ConfigDict):
     raise RecipeError(f"{where}: get_config() returned {type(cfg).__name__}, not a ConfigDict "
-                      "(start from jaxrl.configs.default.get_config() and return it)")
+                      "(start from jaxrl.recipes.default.get_config() and return it)")
   return cfg

@@ -1,9 +1,9 @@
 """What each key of a run config may hold, checked one key at a time.
 
-The schema is `jaxrl.configs.default`: a key it lacks is unknown (with a suggestion), a key it
+The schema is `jaxrl.recipes.default`: a key it lacks is unknown (with a suggestion), a key it
 has must be there with the default's type. `RULES` then bounds the values of well-typed keys
 (ranges, choices). `jaxrl.config.validate` runs these first and adds the checks that span
-several keys (mesh, batch divisibility, losses, tasks); `jaxrl.overrides` uses the same key
+several keys (mesh, batch divisibility, losses, tasks); `jaxrl.config.overrides` uses the same key
 table and suggestions for `--config.` arguments. No jax is imported here.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl.errors import UserError
-from jaxrl.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
+from jaxrl.core.errors import UserError
+from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
                          LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
 
 MESH_AXES = ("data", "fsdp", "tensor")

@@ -14,8 +14,8 @@ from jaxrl import config as config_lib
 from jaxrl import losses, parallel
 from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import lora as lora_lib
-from jaxrl.train_step import StepConfig, build_train_step, compile_step, make_optimizer
-from jaxrl.types import TrainBatch
+from jaxrl.learner.step import StepConfig, build_train_step, compile_step, make_optimizer
+from jaxrl.core.types import TrainBatch
 
 
 def logprob_impl(cfg) -> str | None:

@@ -1,15 +1,15 @@
-"""Validation of run configs against the schema in `jaxrl.configs.default`.
+"""Validation of run configs against the schema in `jaxrl.recipes.default`.
 
 `validate` runs before anything is compiled or written and reports every problem at once: schema
-(unknown and missing keys), types and value ranges (`jaxrl.config_schema`), the device mesh,
+(unknown and missing keys), types and value ranges (`jaxrl.config.schema`), the device mesh,
 cross-key divisibility, incompatible loss combinations, what the chosen tasks need (prompt and
 answer lengths, split sizes, a readable data file, demonstrations for the warm-up), and what the
 run will touch on disk and in memory: a run directory it can create, a resume path that holds a
 checkpoint, a complete model directory, and a rollout batch that can fit in memory. It never
 imports jax; the caller passes the device count.
 
-What the run touches outside the config is checked by `jaxrl.preflight`. `load_recipe`
-(`jaxrl.recipe`) reads a recipe file (`--config path.py`); `parse_overrides` (`jaxrl.overrides`)
+What the run touches outside the config is checked by `jaxrl.config.preflight`. `load_recipe`
+(`jaxrl.config.recipe`) reads a recipe file (`--config path.py`); `parse_overrides` (`jaxrl.config.overrides`)
 applies `--config.a.b=value` command-line overrides, naming every bad one; both re-exported here.
 """
 
@@ -23,16 +23,20 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl import compile_cache, config_schema, preflight, sinks
-from jaxrl.config_schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
+from jaxrl.runtime import compile_cache
+
+from jaxrl.config import schema as config_schema, preflight
+
+from jaxrl.observe import sinks
+from jaxrl.config.schema import (DISTRIBUTED_RULES, MESH_AXES, PREFIX, RULES, ConfigError,
                                  check_schema, describe, flatten, parse_profile_steps, type_ok)
-from jaxrl.configs import default as default_config
+from jaxrl.recipes import default as default_config
 from jaxrl.envs import registry  # registers the built-in tasks (no jax)
-from jaxrl.names import CORRECTIONS, WEIGHTING
+from jaxrl.core.names import CORRECTIONS, WEIGHTING
 # Re-exported: the command line's other halves.
-from jaxrl.overrides import parse_overrides  # noqa: F401
-from jaxrl.preflight import RUN_ROOT, default_run_dir  # noqa: F401
-from jaxrl.recipe import RecipeError, load_recipe  # noqa: F401
+from jaxrl.config.overrides import parse_overrides  # noqa: F401
+from jaxrl.config.preflight import RUN_ROOT, default_run_dir  # noqa: F401
+from jaxrl.config.recipe import RecipeError, load_recipe  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +465,7 @@ def validate(cfg: ConfigDict, num_devices: int,
              device_memory: int | None = None) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
-  A config file must start from `jaxrl.configs.default.get_config()` and change values: keys
+  A config file must start from `jaxrl.recipes.default.get_config()` and change values: keys
   absent from the default are rejected as unknown, and keys of the default absent from `cfg`
   are reported as missing rather than filled in, so a run's saved config is always complete.
 
@@ -502,7 +506,7 @@ def validate(cfg: ConfigDict, num_devices: int,
       lambda v: all(n in known_here for n in v.split("+")) and len(set(v.split("+"))) ==
       len(v.split("+")),
       f"one of {known}{families}, or several distinct ones joined by '+' (mixed per row)")))
-  backends = sinks.backend_names()  # a recipe file may register more (jaxrl.sinks)
+  backends = sinks.backend_names()  # a recipe file may register more (jaxrl.observe.sinks)
   rules.append((sinks.KEY, (lambda v: all(n in backends for n in sinks.parse_backends(v)),
                             f"a comma list of {backends}")))
   for key, (pred, requirement) in rules:

@@ -19,7 +19,7 @@ import os
 import jax
 from ml_collections import ConfigDict
 
-from jaxrl import checkpoint
+from jaxrl.runtime import checkpoint
 from jaxrl import config as config_lib
 from jaxrl import parallel
 from jaxrl.models import ModelConfig, abstract_model
@@ -62,8 +62,8 @@ def load(cfg: ConfigDict, student_tok, student_vocab: int, mesh) -> Teacher:
     graphdef, _ = abstract_model(model_cfg)
     return Teacher(graphdef, params, model_cfg, f"{path} (Hugging Face)")
 
-  from jaxrl.configs import default as default_config
-  from jaxrl.parts import make_tokenizer, task_source
+  from jaxrl.recipes import default as default_config
+  from jaxrl.run.parts import make_tokenizer, task_source
 
   with open(os.path.join(path, "config.json")) as f:
     saved = ConfigDict(config_lib.merge_saved(default_config.get_config().to_dict(),

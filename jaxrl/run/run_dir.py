@@ -17,12 +17,12 @@ import os
 import socket
 import time
 
-from jaxrl import checkpoint
-from jaxrl.errors import UserError
+from jaxrl.runtime import checkpoint
+from jaxrl.core.errors import UserError
 
 LOCK_FILE = ".jaxrl.lock"
-# What a run writes into its directory (jaxrl.trainer.run, jaxrl.export.METADATA_DIR aside; the
-# metrics sinks of jaxrl.sinks).
+# What a run writes into its directory (jaxrl.run.trainer.run, jaxrl.export.METADATA_DIR aside; the
+# metrics sinks of jaxrl.observe.sinks).
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
              "hf_base", "tensorboard", "wandb")
 

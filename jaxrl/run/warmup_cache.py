@@ -1,7 +1,7 @@
 """The warm-up cache: a second run whose supervised warm-up would compute the same parameters loads
 them from disk instead of training them again.
 
-The warm-up (`jaxrl.trainer.warmup`) is a deterministic function of the model and its
+The warm-up (`jaxrl.run.trainer.warmup`) is a deterministic function of the model and its
 initialisation, the warm-up's data, its optimiser and stopping rule, the code and the backend. A
 run keys its result by a fingerprint of all of those (`fingerprint`): every config key except the
 ones only the RL phase or the bookkeeping read (`RL_ONLY`), the warm-up task's `dev` split and first
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxrl import compile_cache
+from jaxrl.runtime import compile_cache
 
 KEEP = 8  # newest entries kept
 MAX_ENTRY_BYTES = 1 << 30  # parameters larger than this are not stored
@@ -105,7 +105,7 @@ def _cpu_model() -> str:
 
 def source_digest() -> str:
   """sha256 over jaxrl's own source files (names and bytes): any change to the code is a miss."""
-  root = os.path.dirname(os.path.abspath(__file__))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the jaxrl package
   h = hashlib.sha256()
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")

@@ -14,7 +14,7 @@ a PEFT adapter for the starting model (`peft.PeftModel.from_pretrained`, or vLLM
 serving).
 """
 
-from jaxrl.configs import qwen2_5_0_5b_gsm8k
+from jaxrl.recipes import qwen2_5_0_5b_gsm8k
 
 
 def add_lora(c):

@@ -2,7 +2,7 @@
 `qwen2_5_0_5b_gsm8k_lora` (rank 16, alpha 32, all seven projections, 10x the full recipe's
 learning rate; see there why)."""
 
-from jaxrl.configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k_lora
+from jaxrl.recipes import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k_lora
 
 
 def get_config():

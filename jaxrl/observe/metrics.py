@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from jaxrl import sinks as sinks_lib
+from jaxrl.observe import sinks as sinks_lib
 
 if TYPE_CHECKING:  # rich is imported when a terminal display starts
   import rich.console
@@ -31,7 +31,7 @@ def _plain(v: Any) -> Any:
 class MetricsWriter:
   """Appends one JSON object per call to `<run_dir>/metrics.jsonl` (rows kept in memory only when
   `run_dir` is None: the processes of a multi-process run other than process 0), and passes each
-  row on to the sinks of `cfg.logging.backends` (`jaxrl.sinks`: TensorBoard, W&B).
+  row on to the sinks of `cfg.logging.backends` (`jaxrl.observe.sinks`: TensorBoard, W&B).
 
   A sink that raises, when built or on a row, is reported in one line on stderr (`jaxrl: warning:
   ...` naming the backend and the error) and dropped; metrics.jsonl and the run go on.
@@ -54,7 +54,7 @@ class MetricsWriter:
       with open(self.path, "w") as f:
         f.write("".join(line + "\n" for line in lines))
       self.rows = [json.loads(line) for line in lines]
-    # A fresh run's file must not exist (jaxrl.run_dir moves a previous run aside): "x" makes a
+    # A fresh run's file must not exist (jaxrl.run.run_dir moves a previous run aside): "x" makes a
     # mistake there an error instead of two runs appended into one file.
     mode = "a" if keep_lines is not None else "x"
     self._f = None if self.path is None else open(self.path, mode, buffering=1)
@@ -258,6 +258,6 @@ def write_chart(path: str, rows: list[dict], title: str) -> None:
   staleness over RL steps) from its metrics rows."""
   # Imported here: matplotlib takes most of a second to import, which a run pays only at its end
   # (and a process that never draws, e.g. process 1 of a pod, never pays).
-  from jaxrl import plotting
+  from jaxrl.observe import curves as plotting
 
   plotting.write_curves(path, {title: rows}, title=title)

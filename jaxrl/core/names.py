@@ -26,7 +26,7 @@ KL_REDUCTIONS = ("token_mean", "seq_mean", "policy")
 CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
                "outlier_mask", "dppo_tv")
 WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
-# jaxrl.train_step: learning-rate schedules.
+# jaxrl.learner.step: learning-rate schedules.
 LR_SCHEDULES = ("constant", "cosine", "linear")
 # jaxrl.models.transformer: rematerialisation policies of a training forward pass.
 REMAT_POLICIES = ("none", "full", "dots")
@@ -42,4 +42,4 @@ def check_registry(kind: str, names: tuple[str, ...], implemented: Iterable[str]
   """Raises if the implementations of registry `kind` are not exactly `names`, in order."""
   got = tuple(implemented)
   if got != names:
-    raise AssertionError(f"jaxrl.names.{kind} is {names}, but the implementations are {got}")
+    raise AssertionError(f"jaxrl.core.names.{kind} is {names}, but the implementations are {got}")

@@ -1,0 +1,1 @@
+"""The commands (train, evaluate, export, plot): argument parsing and user messages only; nothing imports this package."""

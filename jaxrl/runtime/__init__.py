@@ -1,0 +1,1 @@
+"""Process services: checkpoints, the compilation cache, host memory."""
