@@ -1,10 +1,10 @@
 """The host side of `Engine.run`: which prompt is prefilled into which pool row, which row is
 admitted into which slot, when finished rows are copied out, and when the params switch.
 
-The engine's device functions (`engine.make_driver_fns`) are pure and take fixed shapes; all
-the bookkeeping of one run lives here, in one `Scheduler` object with named fields, so that the
-order of its dispatches can be read in one loop (`Scheduler.run`). It drives batched versions of
-the engine's computations so that the host does little per token:
+The engine's device functions (`decode_programs.make_driver_fns`) are pure and take fixed
+shapes; all the bookkeeping of one run lives here, in one `Scheduler` object with named fields,
+so that the order of its dispatches can be read in one loop (`Scheduler.run`). It drives batched
+versions of the engine's computations so that the host does little per token:
 
 - Prompts are prefilled ahead into a pool of `prefill_batch` prefixes, as many per dispatch as
   there are free pool rows (one dispatch per length bucket), each prompt still computed alone;
@@ -20,7 +20,7 @@ the engine's computations so that the host does little per token:
   next to a few long ones both cost less than every slot over the whole cache.
 
 Every dispatch passes `mesh`, the mesh the run's params are placed on (None off a mesh), so the
-engine splits its KV caches over it (`engine` module docstring).
+engine splits its KV caches over it (`decode_programs` module docstring).
 
 Every host array handed to a dispatch is fresh: on CPU a dispatch may read numpy inputs in place
 after it returns, so they are never written again.
@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from jaxrl.parallel.sharding import mesh_of
-
-if TYPE_CHECKING:
-  from jaxrl.rollout.engine import DecodeState, Engine, Prefix
+from jaxrl.rollout.slot_state import DecodeState, DriverFns, Prefix
 
 
 class EngineOutput(NamedTuple):
@@ -49,6 +47,28 @@ class EngineOutput(NamedTuple):
   mask: np.ndarray  # [R, N] bool: generated tokens up to and including the first EOS
   lengths: np.ndarray  # [R] int32
   versions: np.ndarray  # [R, N] int32 policy version per token, -1 where mask is False
+
+
+class SlotEngine(Protocol):
+  """What a `Scheduler` reads of its engine (`engine.Engine` is one): the shapes, the jitted
+  programs, `bucket` and `plan`. The scheduler depends on this, not on `engine`, which imports
+  the scheduler."""
+
+  num_slots: int
+  max_new_tokens: int
+  pad_id: int
+  pool_rows: int  # rows of the prefix pool
+  short_window: int
+  refresh_kv: bool
+  stats: collections.Counter  # dispatch counters, bumped by the scheduler
+  fns: DriverFns
+  init_decode_state: Callable[..., DecodeState]  # (params, *, mesh) -> empty state
+  refresh: Callable[..., DecodeState]  # (params, state, *, mesh) -> state with KV recomputed
+
+  def bucket(self, length: int) -> int: ...
+
+  def plan(self, reach: dict[int, int]
+           ) -> tuple[tuple[tuple[int, int | None], ...], list[int]]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +161,7 @@ class Scheduler:
   (`slot_row`) -> `pending` (finished, not yet copied) -> `out`.
   """
 
-  engine: Engine
+  engine: SlotEngine
   requests: Requests
   key: jax.Array  # typed PRNG key of the run; each row folds in its request id
   steps: np.int32  # decode steps per dispatch (an array argument: no recompile)

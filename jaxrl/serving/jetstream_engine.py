@@ -3,11 +3,12 @@
 JetStream's orchestrator (`jetstream.core.orchestrator.Driver`, served over gRPC by
 `jetstream.core.server_lib`) runs four host threads around an `engine_api.Engine`: prefill one
 request, insert its prefix into a free slot, `generate` one token for every slot, detokenize.
-`JaxrlJetStreamEngine` implements that API on top of `jaxrl.rollout.engine.make_engine_fns`, so a
-served model produces exactly the tokens `jaxrl.rollout.engine.Engine.run` produces for the same
-prompt, sampling settings and request ids. `JaxrlTokenizer` adapts a jaxrl tokenizer
-(`CharTokenizer`, `HFTokenizer`) to JetStream's `tokenizer_api.Tokenizer`. `run_server` starts
-the gRPC server on a chosen host (`scripts/serve.py` is its command line).
+`JaxrlJetStreamEngine` implements that API on top of
+`jaxrl.rollout.decode_programs.make_engine_fns`, so a served model produces exactly the tokens
+`jaxrl.rollout.engine.Engine.run` produces for the same prompt, sampling settings and request
+ids. `JaxrlTokenizer` adapts a jaxrl tokenizer (`CharTokenizer`, `HFTokenizer`) to JetStream's
+`tokenizer_api.Tokenizer`. `run_server` starts the gRPC server on a chosen host
+(`scripts/serve.py` is its command line).
 
 How the two APIs meet:
 
@@ -133,7 +134,7 @@ from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_p
 
 orchestrator = _import_orchestrator()
 
-from jaxrl.rollout.engine import make_engine_fns  # noqa: E402
+from jaxrl.rollout.decode_programs import make_engine_fns  # noqa: E402
 
 # JetStream's prefill buckets (`token_utils.pad_tokens`): `max_prefill_length` must be one.
 JETSTREAM_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -203,12 +204,13 @@ class JaxrlTokenizer(tokenizer_api.Tokenizer):
 class DecodeState(NamedTuple):
   """The jaxrl engine's decode state plus how many of each slot's tokens were streamed."""
 
-  inner: Any  # jaxrl.rollout.engine.DecodeState
+  inner: Any  # jaxrl.rollout.slot_state.DecodeState
   emitted: jax.Array  # [B] int32: tokens of the slot already returned by `generate`
 
 
 class JaxrlJetStreamEngine(engine_api.Engine):
-  """`jetstream.engine.engine_api.Engine` (0.2.2) over `jaxrl.rollout.engine.make_engine_fns`.
+  """`jetstream.engine.engine_api.Engine` (0.2.2) over
+  `jaxrl.rollout.decode_programs.make_engine_fns`.
 
   Args:
     graphdef, params: the model (`jaxrl.models.init_model`, `load_hf`, a restored checkpoint).
