@@ -161,6 +161,66 @@ def _call_all(calls: dict[str, tuple[object, list[Turn]]], timeout_s: float
   return done
 
 
+@dataclasses.dataclass
+class _Rows:
+  """The host state of one `MultiTurn.run`: B rows (task-major), their completions so far and
+  what their environments said. `MultiTurn`'s steps read and write it in place, turn by turn."""
+
+  rows: list[Task]  # per row
+  prompt_ids: list[list[int]]  # per row: its task's encoded prompt (later turns' context)
+  tokens: np.ndarray  # [B, N] int32
+  valid: np.ndarray  # [B, N] bool
+  gen: np.ndarray  # [B, N] bool: generated tokens (failed rows still included)
+  logprobs: np.ndarray  # [B, N] float32
+  pversion: np.ndarray  # [B, N] int32
+  length: np.ndarray  # [B] int64: completion tokens written so far
+  rewards: np.ndarray  # [B] float64: summed turn rewards
+  components: dict[str, np.ndarray]  # [B] float64 sums, created as environments name them
+  metadata: dict[str, np.ndarray]  # [B] float64, the last value reported per row
+  turns: np.ndarray  # [B] int32
+  terminated: np.ndarray  # [B] bool
+  truncated: np.ndarray  # [B] bool
+  failed: np.ndarray  # [B] bool
+  reasons: list[str | None]
+  history: list[list[tuple[str, str]]]  # per row: (role, text) of every message so far
+  active: np.ndarray  # [B] bool: the episode goes on
+  limit: np.ndarray  # [B]: model turns the row may take
+  calls_by_env: dict[str, int]
+
+  @classmethod
+  def start(cls, rows: list[Task], prompt_ids: list[list[int]], N: int, pad: int,
+            limit: list[int]) -> _Rows:
+    """Every row active, with an empty completion of N tokens."""
+    B = len(rows)
+    return cls(
+        rows=rows, prompt_ids=prompt_ids, tokens=np.full((B, N), pad, np.int32),
+        valid=np.zeros((B, N), bool), gen=np.zeros((B, N), bool),
+        logprobs=np.zeros((B, N), np.float32), pversion=np.zeros((B, N), np.int32),
+        length=np.zeros(B, np.int64), rewards=np.zeros(B, np.float64), components={},
+        metadata={}, turns=np.zeros(B, np.int32), terminated=np.zeros(B, bool),
+        truncated=np.zeros(B, bool), failed=np.zeros(B, bool), reasons=[None] * B,
+        history=[[("user", r.prompt)] for r in rows], active=np.ones(B, bool),
+        limit=np.array(limit), calls_by_env={})
+
+  def episodes(self, prompts: np.ndarray, pvalid: np.ndarray, G: int) -> Episodes:
+    """The finished rows as `Episodes`: failed rows lose their loss mask and get NaN rewards."""
+    failed = self.failed
+    mask = self.gen & ~failed[:, None]
+    rewards = self.rewards.astype(np.float32)
+    rewards[failed] = np.nan
+    components = {k: np.where(failed, np.nan, v).astype(np.float32)
+                  for k, v in self.components.items()}
+    return Episodes(
+        tasks=self.rows, prompt_tokens=np.repeat(prompts, G, 0),
+        prompt_valid=np.repeat(pvalid, G, 0), tokens=self.tokens, valid=self.valid, mask=mask,
+        logprobs=self.logprobs, policy_version=self.pversion, rewards=rewards,
+        components=components,
+        metadata={k: v.astype(np.float32) for k, v in self.metadata.items()},
+        turns=self.turns, terminated=self.terminated,
+        truncated=self.truncated & ~self.terminated, failed=failed, fail_reasons=self.reasons,
+        env_calls=sum(self.calls_by_env.values()), env_calls_by_env=self.calls_by_env)
+
+
 class MultiTurn:
   """Runs episodes for a list of tasks, G samples each (see the module docstring).
 
@@ -183,149 +243,149 @@ class MultiTurn:
 
   def run(self, params, tasks: Sequence[Task], key, request_base: int, version: int,
           temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
-    b = self.budget
-    G, N, Lp = self.G, b.max_total_tokens, b.max_prompt_len
-    tasks = list(tasks)
-    unknown = sorted({t.env for t in tasks} - set(self.envs))
-    if unknown:
-      raise KeyError(f"tasks name environments {unknown} that this run did not build; it has "
-                     f"{sorted(self.envs)}")
+    """Runs the G episodes of each task to their end: one sampler call and one round of
+    environment calls per turn, while any row is active."""
+    tasks, G = list(tasks), self.G
+    encoded, prompts, pvalid = self._encode_prompts(tasks)
     rows = [t for t in tasks for _ in range(G)]
-    B = len(rows)
-    pad = self.tok.pad_id
-    eos_ids = set(self.tok.eos_ids)
-    encoded = [self.tok.encode_prompt(t.prompt) for t in tasks]
-    too_long = [(t.uid, len(e)) for t, e in zip(tasks, encoded) if len(e) > Lp]
-    if too_long:
-      raise ValueError(f"prompts longer than rollout.max_prompt_len={Lp}: {too_long[:5]}")
-    prompts, pvalid = left_pad(encoded, Lp, pad)
-    prompt_ids = [encoded[i // G] for i in range(B)]
-
-    tokens = np.full((B, N), pad, np.int32)
-    valid = np.zeros((B, N), bool)
-    gen = np.zeros((B, N), bool)
-    logprobs = np.zeros((B, N), np.float32)
-    pversion = np.zeros((B, N), np.int32)
-    length = np.zeros(B, np.int64)
-    rewards = np.zeros(B, np.float64)
-    components: dict[str, np.ndarray] = {}
-    metadata: dict[str, np.ndarray] = {}
-    turns = np.zeros(B, np.int32)
-    terminated = np.zeros(B, bool)
-    truncated = np.zeros(B, bool)
-    failed = np.zeros(B, bool)
-    reasons: list[str | None] = [None] * B
-    history: list[list[tuple[str, str]]] = [[("user", r.prompt)] for r in rows]
-    active = np.ones(B, bool)
-    limit = np.array([self.max_turns(r) for r in rows])
-    calls_by_env: dict[str, int] = {}
-    request_ids = np.arange(B) + request_base
-
+    st = _Rows.start(rows, [encoded[i // G] for i in range(len(rows))],
+                     self.budget.max_total_tokens, self.tok.pad_id,
+                     [self.max_turns(r) for r in rows])
+    request_ids = np.arange(len(rows)) + request_base
     turn = 0
-    while active.any():
+    while st.active.any():
       tkey = key if turn == 0 else jax.random.fold_in(key, 1_000_003 + turn)
       if turn == 0:
         out = self.sample_first(params, prompts, pvalid, tkey, request_ids, temperature, top_k,
                                 top_p, version=version)
       else:
-        seqs = [prompt_ids[i] + tokens[i, :length[i]].tolist() for i in range(B)]
-        ctx, cvalid = left_pad(seqs, Lp + N, pad)
-        out = self.sample_next(params, ctx, cvalid, tkey, request_ids, temperature, top_k, top_p,
-                               version=version)
-      o_tokens, o_mask, o_lps = self.fetch((out.tokens, out.mask, out.logprobs))
-      # Per-token params versions, when the sampler can switch params mid-generation (partial
-      # rollouts); otherwise every token is the batch's version.
-      o_versions = getattr(out, "versions", None)
-
-      calls: dict[str, tuple[object, list[Turn]]] = {}
-      where: dict[str, list[int]] = {}
-      act = np.flatnonzero(active)
-      counts = o_mask.sum(1)
-      cut = counts > N - length  # the sequence budget ends this turn
-      last = o_tokens[np.arange(B), np.maximum(counts - 1, 0)]
-      ended_eos = (counts > 0) & np.isin(last, list(eos_ids))
-      take = np.where(cut, N - length, counts)
-      if np.array_equal(o_mask, np.arange(o_mask.shape[1]) < counts[:, None]):
-        # Every row's new tokens are a prefix (the samplers' masks: up to the first EOS): write
-        # them all at once; only text and environment calls stay per row.
-        n_act = take[act]
-        r_idx = np.repeat(act, n_act)
-        offs = np.arange(r_idx.size) - np.repeat(np.cumsum(n_act) - n_act, n_act)
-        c_idx = length[r_idx] + offs
-        tokens[r_idx, c_idx] = o_tokens[r_idx, offs]
-        valid[r_idx, c_idx] = True
-        gen[r_idx, c_idx] = True
-        logprobs[r_idx, c_idx] = o_lps[r_idx, offs]
-        pversion[r_idx, c_idx] = (version if o_versions is None
-                                  else np.asarray(o_versions)[r_idx, offs])
-        new_ids = o_tokens.tolist()
-        news = {int(i): new_ids[i][:take[i]] for i in act}
-      else:
-        news = {}
-        for i in act:
-          full = o_tokens[i][o_mask[i]]
-          ended_eos[i] = len(full) > 0 and int(full[-1]) in eos_ids
-          new = full[:take[i]]
-          s = slice(length[i], length[i] + len(new))
-          tokens[i, s], valid[i, s], gen[i, s] = new, True, True
-          logprobs[i, s] = o_lps[i][o_mask[i]][:len(new)]
-          pversion[i, s] = version if o_versions is None else \
-              np.asarray(o_versions)[i][o_mask[i]][:len(new)]
-          news[int(i)] = new
-      length[act] += take[act]
-      turns[act] += 1
-      truncated[act] |= cut[act]
-      for i, new in news.items():
-        text = self.tok.decode(new)
-        row = rows[i]
-        calls.setdefault(row.env, (self.envs[row.env], []))[1].append(
-            Turn(task=row, turn=turn, response=text,
-                 truncated=bool(cut[i] or not ended_eos[i]), history=tuple(history[i])))
-        where.setdefault(row.env, []).append(i)
-        history[i].append(("assistant", text))
-
-      results = _call_all(calls, self.env_timeout_s)
-      for name, res in results.items():
-        calls_by_env[name] = calls_by_env.get(name, 0) + 1
-        idx = where[name]
-        if isinstance(res, BaseException):
-          why = "timeout" if isinstance(res, EnvTimeout) else "error"
-          for i in idx:
-            failed[i], active[i] = True, False
-            reasons[i] = f"{why}: env {name!r} turn {turn}: {type(res).__name__}: {res}"
-          continue
-        for j, i in enumerate(idx):
-          rewards[i] += float(res.rewards[j])
-          for c, v in res.components.items():
-            components.setdefault(c, np.zeros(B, np.float64))[i] += float(v[j])
-          for k, v in (res.metadata[j] if res.metadata is not None else {}).items():
-            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
-              metadata.setdefault(k, np.full(B, np.nan))[i] = float(v)
-          if res.done[j]:
-            terminated[i], active[i] = True, False
-            continue
-          if truncated[i] or turns[i] >= limit[i]:
-            truncated[i], active[i] = True, False
-            continue
-          obs = self.tok.encode_observation(res.observations[j])
-          history[i].append(("user", res.observations[j]))
-          if length[i] + len(obs) + 1 > N:  # no room for the observation and a next token
-            truncated[i], active[i] = True, False
-            continue
-          s = slice(length[i], length[i] + len(obs))
-          tokens[i, s], valid[i, s] = obs, True
-          length[i] += len(obs)
+        out = self.sample_next(params, *self._contexts(st), tkey, request_ids, temperature,
+                               top_k, top_p, version=version)
+      news, cut, ended_eos = self._record(st, out, version)
+      calls, where = self._env_turns(st, news, cut, ended_eos, turn)
+      self._apply(st, _call_all(calls, self.env_timeout_s), where, turn)
       turn += 1
+    return st.episodes(prompts, pvalid, G)
 
-    mask = gen & ~failed[:, None]
-    rewards = rewards.astype(np.float32)
-    rewards[failed] = np.nan
-    components = {k: np.where(failed, np.nan, v).astype(np.float32) for k, v in components.items()}
-    return Episodes(
-        tasks=rows, prompt_tokens=np.repeat(prompts, G, 0), prompt_valid=np.repeat(pvalid, G, 0),
-        tokens=tokens, valid=valid, mask=mask, logprobs=logprobs, policy_version=pversion,
-        rewards=rewards, components=components,
-        metadata={k: v.astype(np.float32) for k, v in metadata.items()},
-        turns=turns, terminated=terminated, truncated=truncated & ~terminated, failed=failed,
-        fail_reasons=reasons, env_calls=sum(calls_by_env.values()),
-        env_calls_by_env=calls_by_env)
+  def _encode_prompts(self, tasks: list[Task]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """Checks the tasks against this run -> (each task's prompt tokens, the prompts left-padded
+    [P, Lp], their valid mask)."""
+    Lp = self.budget.max_prompt_len
+    unknown = sorted({t.env for t in tasks} - set(self.envs))
+    if unknown:
+      raise KeyError(f"tasks name environments {unknown} that this run did not build; it has "
+                     f"{sorted(self.envs)}")
+    encoded = [self.tok.encode_prompt(t.prompt) for t in tasks]
+    too_long = [(t.uid, len(e)) for t, e in zip(tasks, encoded) if len(e) > Lp]
+    if too_long:
+      raise ValueError(f"prompts longer than rollout.max_prompt_len={Lp}: {too_long[:5]}")
+    prompts, pvalid = left_pad(encoded, Lp, self.tok.pad_id)
+    return encoded, prompts, pvalid
+
+  def _contexts(self, st: _Rows) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's whole context so far (prompt, then completion), left-padded to Lp + N."""
+    b = self.budget
+    seqs = [st.prompt_ids[i] + st.tokens[i, :st.length[i]].tolist() for i in range(len(st.rows))]
+    return left_pad(seqs, b.max_prompt_len + b.max_total_tokens, self.tok.pad_id)
+
+  def _record(self, st: _Rows, out, version: int
+              ) -> tuple[dict[int, list[int]], np.ndarray, np.ndarray]:
+    """Appends the turn's generated tokens of the active rows (cut to the budget) -> (each
+    active row's new tokens, whether the budget cut it [B], whether it ended on EOS [B])."""
+    N, B, eos_ids = self.budget.max_total_tokens, len(st.rows), set(self.tok.eos_ids)
+    tokens, valid, gen, logprobs, pversion, length = (st.tokens, st.valid, st.gen, st.logprobs,
+                                                      st.pversion, st.length)
+    o_tokens, o_mask, o_lps = self.fetch((out.tokens, out.mask, out.logprobs))
+    # Per-token params versions, when the sampler can switch params mid-generation (partial
+    # rollouts); otherwise every token is the batch's version.
+    o_versions = getattr(out, "versions", None)
+    act = np.flatnonzero(st.active)
+    counts = o_mask.sum(1)
+    cut = counts > N - length  # the sequence budget ends this turn
+    last = o_tokens[np.arange(B), np.maximum(counts - 1, 0)]
+    ended_eos = (counts > 0) & np.isin(last, list(eos_ids))
+    take = np.where(cut, N - length, counts)
+    if np.array_equal(o_mask, np.arange(o_mask.shape[1]) < counts[:, None]):
+      # Every row's new tokens are a prefix (the samplers' masks: up to the first EOS): write
+      # them all at once; only text and environment calls stay per row.
+      n_act = take[act]
+      r_idx = np.repeat(act, n_act)
+      offs = np.arange(r_idx.size) - np.repeat(np.cumsum(n_act) - n_act, n_act)
+      c_idx = length[r_idx] + offs
+      tokens[r_idx, c_idx] = o_tokens[r_idx, offs]
+      valid[r_idx, c_idx] = True
+      gen[r_idx, c_idx] = True
+      logprobs[r_idx, c_idx] = o_lps[r_idx, offs]
+      pversion[r_idx, c_idx] = (version if o_versions is None
+                                else np.asarray(o_versions)[r_idx, offs])
+      new_ids = o_tokens.tolist()
+      news = {int(i): new_ids[i][:take[i]] for i in act}
+    else:
+      news = {}
+      for i in act:
+        full = o_tokens[i][o_mask[i]]
+        ended_eos[i] = len(full) > 0 and int(full[-1]) in eos_ids
+        new = full[:take[i]]
+        s = slice(length[i], length[i] + len(new))
+        tokens[i, s], valid[i, s], gen[i, s] = new, True, True
+        logprobs[i, s] = o_lps[i][o_mask[i]][:len(new)]
+        pversion[i, s] = version if o_versions is None else \
+            np.asarray(o_versions)[i][o_mask[i]][:len(new)]
+        news[int(i)] = new
+    length[act] += take[act]
+    st.turns[act] += 1
+    st.truncated[act] |= cut[act]
+    return news, cut, ended_eos
+
+  def _env_turns(self, st: _Rows, news: dict[int, list[int]], cut: np.ndarray,
+                 ended_eos: np.ndarray, turn: int
+                 ) -> tuple[dict[str, tuple[object, list[Turn]]], dict[str, list[int]]]:
+    """Decodes each row's new tokens into its environment's `Turn` -> (per environment: it and
+    its turns, the rows of those turns in order)."""
+    calls: dict[str, tuple[object, list[Turn]]] = {}
+    where: dict[str, list[int]] = {}
+    for i, new in news.items():
+      text = self.tok.decode(new)
+      row = st.rows[i]
+      calls.setdefault(row.env, (self.envs[row.env], []))[1].append(
+          Turn(task=row, turn=turn, response=text,
+               truncated=bool(cut[i] or not ended_eos[i]), history=tuple(st.history[i])))
+      where.setdefault(row.env, []).append(i)
+      st.history[i].append(("assistant", text))
+    return calls, where
+
+  def _apply(self, st: _Rows, results: dict[str, StepResult | BaseException],
+             where: dict[str, list[int]], turn: int) -> None:
+    """Adds each environment's rewards to its rows, ends the rows it ended (or failed), and
+    appends the observations of the rows that go on."""
+    N, B = self.budget.max_total_tokens, len(st.rows)
+    for name, res in results.items():
+      st.calls_by_env[name] = st.calls_by_env.get(name, 0) + 1
+      idx = where[name]
+      if isinstance(res, BaseException):
+        why = "timeout" if isinstance(res, EnvTimeout) else "error"
+        for i in idx:
+          st.failed[i], st.active[i] = True, False
+          st.reasons[i] = f"{why}: env {name!r} turn {turn}: {type(res).__name__}: {res}"
+        continue
+      for j, i in enumerate(idx):
+        st.rewards[i] += float(res.rewards[j])
+        for c, v in res.components.items():
+          st.components.setdefault(c, np.zeros(B, np.float64))[i] += float(v[j])
+        for k, v in (res.metadata[j] if res.metadata is not None else {}).items():
+          if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+            st.metadata.setdefault(k, np.full(B, np.nan))[i] = float(v)
+        if res.done[j]:
+          st.terminated[i], st.active[i] = True, False
+          continue
+        if st.truncated[i] or st.turns[i] >= st.limit[i]:
+          st.truncated[i], st.active[i] = True, False
+          continue
+        obs = self.tok.encode_observation(res.observations[j])
+        st.history[i].append(("user", res.observations[j]))
+        if st.length[i] + len(obs) + 1 > N:  # no room for the observation and a next token
+          st.truncated[i], st.active[i] = True, False
+          continue
+        s = slice(st.length[i], st.length[i] + len(obs))
+        st.tokens[i, s], st.valid[i, s] = obs, True
+        st.length[i] += len(obs)
