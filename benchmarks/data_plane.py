@@ -36,7 +36,8 @@ import train_step as step_bench  # benchmarks/train_step.py: the default train-s
 from jaxrl.recipes.default import get_config
 from jaxrl.models.transformer import ModelConfig, init_model
 from jaxrl.parallel.sharding import make_mesh
-from jaxrl.pipeline.data_plane import BatchMeta, DataPlane, balance_rows
+from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
+from jaxrl.pipeline.data_plane import DataPlane
 from jaxrl.learner.step import build_train_step, make_optimizer, to_rows
 from jaxrl.learner.rl import rl_step_config
 

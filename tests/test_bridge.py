@@ -18,7 +18,7 @@ from conftest import tiny_model_config
 from jaxrl.models.transformer import abstract_model
 from jaxrl.parallel import make_mesh, param_shardings
 from jaxrl.parallel.bridge import Channel, ChannelClosed, ParamsBridge, pack, unpack
-from jaxrl.pipeline.data_plane import BatchMeta
+from jaxrl.pipeline.batch_meta import BatchMeta
 from jaxrl.pipeline.producer import combine
 
 _, ABSTRACT = abstract_model(tiny_model_config(vocab_size=64))

@@ -3,7 +3,8 @@ rollout worker, publishing, checkpoint state), the rollout producer that makes i
 in-slot regeneration, dynamic sampling, staleness accounting and the keyed row store (data plane).
 See `gate.py` for the lag contract and `data_plane.py` for the key/field/partition model."""
 
-from jaxrl.pipeline.data_plane import PARTITIONS, BatchMeta, DataPlane, balance_rows
+from jaxrl.pipeline.batch_meta import PARTITIONS, BatchMeta, balance_rows
+from jaxrl.pipeline.data_plane import DataPlane
 from jaxrl.pipeline.gate import LagGate, PipelineClosed, StallError, WorkerFailed
 from jaxrl.pipeline.handoff import ParamsHandoff, VersionUnavailable
 from jaxrl.pipeline.lag import LagPipeline

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxrl.pipeline.data_plane import BatchMeta
+from jaxrl.pipeline.batch_meta import BatchMeta
 
 
 class DynamicSamplingError(RuntimeError):

@@ -39,7 +39,7 @@ from jaxrl.observe import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.run.loop_state import from_json_num, json_num
 from jaxrl.pipeline import dynamic_sampling
-from jaxrl.pipeline.data_plane import BatchMeta, balance_rows
+from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
 from jaxrl.pipeline.staleness import row_versions
 from jaxrl.rollout.multi_turn import Episodes
