@@ -241,6 +241,7 @@ def _tokenizer_problems(path: str, good: dict[str, Any]) -> list[str]:
   """The Hugging Face tokenizer of `path` loads as the run will load it (files, special tokens,
   chat template); [] without the `hf` extra, which the run itself then reports."""
   try:
+    # Imported here, not at the top: it needs tokenizers and jinja2, the optional `hf` extra.
     from jaxrl.data.hf_tokenizer import HFTokenizer
   except ImportError:
     return []

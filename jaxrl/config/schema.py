@@ -19,8 +19,9 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxrl.core.errors import UserError
-from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
-                         LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
+from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, CORRECTION_BAND_KEYS, CORRECTION_CAPS, DTYPES,
+                              KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS, LR_SCHEDULES,
+                              POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 PREFIX = "config."
@@ -232,12 +233,8 @@ RULES: list[tuple[str, Rule]] = [
     ("loss.sapo_tau_neg", _gt(0)),
     ("loss.reduction", _one_of(set(REDUCTIONS))),
     ("loss.norm_len", _ge(0)),
-    ("loss.token_tis_cap", _gt(0)),
-    ("loss.seq_tis_cap", _gt(0)),
-    *((f"loss.{k}", _ge(0)) for k in
-      ("icepop_low", "icepop_high", "seq_mask_low", "seq_mask_high", "geo_mask_low",
-       "geo_mask_high", "product_mask_low", "product_mask_high", "outlier_low", "outlier_high",
-       "dppo_delta_low", "dppo_delta_high")),
+    *((f"loss.{k}", _gt(0)) for k in CORRECTION_CAPS),
+    *((f"loss.{k}", _ge(0)) for k in CORRECTION_BAND_KEYS),
     ("loss.seq_logprob_error_threshold",
      (lambda v: v == 0 or v >= 1, "0 (off) or >= 1 (it bounds a mean of exp(|error|) >= 1)")),
     ("loss.logprob_impl", _one_of({"auto", "reference", "xla", "pallas"})),

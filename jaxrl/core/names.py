@@ -26,6 +26,16 @@ KL_REDUCTIONS = ("token_mean", "seq_mean", "policy")
 CORRECTIONS = ("token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask", "product_mask",
                "outlier_mask", "dppo_tv")
 WEIGHTING = ("token_tis", "seq_tis", "icepop", "seq_mask_tis")
+# The corrections' thresholds, each a `loss.<name>` key and the `CorrectionParams` field of the
+# same name: the caps of the truncated importance weights, then the bands the masks keep ratios
+# in, a `<band>_low` and a `<band>_high` each (schema, validation and step config read these).
+CORRECTION_CAPS = ("token_tis_cap", "seq_tis_cap")
+CORRECTION_BANDS = ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
+CORRECTION_BAND_KEYS = tuple(f"{b}_{side}" for b in CORRECTION_BANDS for side in ("low", "high"))
+CORRECTION_KEYS = CORRECTION_CAPS + CORRECTION_BAND_KEYS
+# dppo_delta's pair bounds a probability drop and a rise (two deltas, not one interval), so only
+# the other bands need low < high.
+INTERVAL_BANDS = tuple(b for b in CORRECTION_BANDS if b != "dppo_delta")
 # jaxrl.learner.step: learning-rate schedules.
 LR_SCHEDULES = ("constant", "cosine", "linear")
 # jaxrl.models.transformer: rematerialisation policies of a training forward pass.

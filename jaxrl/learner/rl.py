@@ -15,6 +15,7 @@ from jaxrl import losses, parallel
 from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import lora as lora_lib
 from jaxrl.learner.step import StepConfig, build_train_step, compile_step, make_optimizer
+from jaxrl.core.names import CORRECTION_KEYS
 from jaxrl.core.types import TrainBatch
 
 
@@ -27,9 +28,6 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
   """The RL train step's static settings from a validated run config whose batch rows are split
   over `shards` devices (mesh data x fsdp; it sizes auto micro-batching)."""
   lo = cfg.loss
-  bands = {f"{b}_{side}": lo[f"{b}_{side}"] for b in
-           ("icepop", "seq_mask", "geo_mask", "product_mask", "outlier", "dppo_delta")
-           for side in ("low", "high")}
   objective = losses.ObjectiveConfig(
       policy=lo.policy,
       ratio_base=("rollout" if cfg.rollout.lag > 0 else "trainer") if lo.ratio_base == "auto"
@@ -37,8 +35,7 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
       eps_low=lo.eps_low, eps_high=lo.eps_high,
       dual_clip=lo.dual_clip or None, sapo_tau_pos=lo.sapo_tau_pos, sapo_tau_neg=lo.sapo_tau_neg,
       correction=losses.parse_correction(lo.correction),
-      correction_params=losses.CorrectionParams(
-          token_tis_cap=lo.token_tis_cap, seq_tis_cap=lo.seq_tis_cap, **bands),
+      correction_params=losses.CorrectionParams(**{k: lo[k] for k in CORRECTION_KEYS}),
       reduction=lo.reduction, norm_len=lo.norm_len or None,
       rollout_kl_coef=cfg.rollout_kl.coef, rollout_kl_estimator=cfg.rollout_kl.estimator,
       rollout_kl_reduction=cfg.rollout_kl.reduction,
