@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxrl.kernels import FusedLogprob, default_impl, fused_logprob, pallas_unavailable
-from jaxrl.kernels.fused_logprob import pallas as pallas_impl
+from jaxrl.kernels.fused_logprob import pallas_gpu
 from jaxrl.kernels.fused_logprob import reference as reference_impl
+from jaxrl.kernels.fused_logprob.api import pallas_fused_logprob
 from jaxrl.kernels.fused_logprob.common import effective_temperature
 from jaxrl.losses.kl import KL_ESTIMATORS
-from jaxrl.models.transformer import token_logprobs
+from jaxrl.models.logprobs import token_logprobs
 
 N, D, V, CHUNK = 37, 16, 1000, 128
 IMPLS = ("xla", "pallas")
@@ -167,7 +168,7 @@ def test_pallas_multiple_token_blocks():
 
   ref_v, ref_g = jax.value_and_grad(functools.partial(loss, reference_impl.fused_logprob),
                                     (0, 1))(h, w)
-  blocked = functools.partial(pallas_impl.fused_logprob, block_n=16)
+  blocked = functools.partial(pallas_fused_logprob, block_n=16)
   v, g = jax.jit(jax.value_and_grad(functools.partial(loss, blocked), (0, 1)))(h, w)
   assert rel_err(v, ref_v) < 1e-5
   assert rel_err(g[0], ref_g[0]) < 1e-5 and rel_err(g[1], ref_g[1]) < 1e-5
@@ -191,7 +192,7 @@ def test_pallas_gpu_layout(n, d, v, chunk, dtype):
   grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), (0, 1),  # noqa: E731
                                                has_aux=True))
   (_, ref), ref_g = grad(reference_impl.fused_logprob)(h, w)
-  gpu = functools.partial(pallas_impl.fused_logprob, layout="gpu", interpret=True)
+  gpu = functools.partial(pallas_fused_logprob, layout="gpu", interpret=True)
   (_, out), g = grad(gpu)(h, w)
   tol, gtol = (1e-5, 1e-5) if dtype == jnp.float32 else (1e-5, 2e-2)
   assert rel_err(out[0], ref[0]) < tol and rel_err(out[1], ref[1]) < tol
@@ -205,8 +206,8 @@ def test_pallas_gpu_layout_lowers_to_triton():
   # sizes (D = 896 -> 1024) and the default model's (D = 64, V = 14), value and gradient.
   def lowered(n, d, v, dtype):
     def loss(h, w, targets, t):
-      logp, entropy = pallas_impl.fused_logprob(h, w, targets, t, with_entropy=True,
-                                                layout="gpu", interpret=False)
+      logp, entropy = pallas_fused_logprob(h, w, targets, t, with_entropy=True,
+                                           layout="gpu", interpret=False)
       return jnp.sum(logp) + jnp.sum(entropy)
 
     args = [jax.ShapeDtypeStruct(s, dt) for s, dt in
@@ -231,18 +232,18 @@ def test_pallas_gpu_layout_too_wide_for_shared_memory_runs_xla():
   h = h / np.sqrt(2048)  # logits of order 1, as in a model (entropy is not cancellation-bound)
   t = effective_temperature(temperature, 8)
   with pytest.warns(RuntimeWarning, match="need 262144 bytes of shared memory"):
-    logp, entropy = pallas_impl.fused_logprob(h, w, targets, t, with_entropy=True, layout="gpu",
-                                              interpret=False)
+    logp, entropy = pallas_fused_logprob(h, w, targets, t, with_entropy=True, layout="gpu",
+                                         interpret=False)
   ref_logp, ref_entropy = reference_impl.fused_logprob(h, w, targets, t, with_entropy=True)
   assert rel_err(logp, ref_logp) < 1e-5 and rel_err(entropy, ref_entropy) < 1e-5
-  assert 32 * 2048 * 2 <= pallas_impl.GPU_SMEM_BUDGET < 32 * 2048 * 4
+  assert 32 * 2048 * 2 <= pallas_gpu.GPU_SMEM_BUDGET < 32 * 2048 * 4
 
 
 def test_pallas_layout_is_checked():
   h, w, targets, temperature, _, _, _ = make_inputs()
   with pytest.raises(ValueError, match="unknown pallas fused_logprob layout 'cuda'"):
-    pallas_impl.fused_logprob(h, w, targets, effective_temperature(temperature, N),
-                              layout="cuda", interpret=True)
+    pallas_fused_logprob(h, w, targets, effective_temperature(temperature, N),
+                         layout="cuda", interpret=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -18,13 +18,42 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.kernels.fused_logprob import common, pallas, reference, xla
+from jaxrl.kernels.fused_logprob import common, pallas_gpu, pallas_tpu, reference, xla
+from jaxrl.kernels.fused_logprob.pallas_common import default_interpret
 from jaxrl.losses.kl import kl_estimate
+
+# The Pallas kernels' layouts (`pallas_tpu`, `pallas_gpu` module docstrings).
+PALLAS_LAYOUTS = {"tpu": pallas_tpu.fused_logprob, "gpu": pallas_gpu.fused_logprob}
+
+
+def pallas_fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
+                         interpret=None, block_n: int | None = None, layout: str | None = None):
+  """`(logp [N], entropy [N] or None)`, float32, from the Pallas kernels in one of their
+  layouts; `t` is the effective temperature `[N]`.
+
+  `chunk_size` is the vocabulary block `bv` (default `pallas_common.DEFAULT_BLOCK_V`; the `gpu`
+  layout rounds it down to a power of two and caps it by `D`), `block_n` the token block `bn`
+  (None: 256 in the `tpu` layout, sized by `D` in the `gpu` one).
+  `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where Pallas has no
+  compiled backend; None picks per backend (`pallas_common.default_interpret`). `layout` (`tpu`
+  | `gpu`): None = `gpu` when compiling on a GPU, else `tpu`; either runs in interpret mode, so
+  the CPU tests cover both.
+  """
+  if interpret is None:
+    interpret = default_interpret(h, w, targets, t)
+  if layout is None:
+    layout = "gpu" if not interpret and jax.default_backend() == "gpu" else "tpu"
+  if layout not in PALLAS_LAYOUTS:
+    raise ValueError(f"unknown pallas fused_logprob layout {layout!r}; expected one of "
+                     f"{tuple(PALLAS_LAYOUTS)}")
+  return PALLAS_LAYOUTS[layout](h, w, targets, t, with_entropy=with_entropy,
+                                chunk_size=chunk_size, interpret=interpret, block_n=block_n)
+
 
 IMPLEMENTATIONS = {
     "reference": reference.fused_logprob,
     "xla": xla.fused_logprob,
-    "pallas": pallas.fused_logprob,
+    "pallas": pallas_fused_logprob,
 }
 
 
@@ -59,7 +88,7 @@ def pallas_unavailable(backend: str | None = None) -> str | None:
           (((n, d), jnp.float32), ((d, v), jnp.float32), ((n,), jnp.int32), ((n,), jnp.float32))]
 
   def loss(h, w, targets, t):
-    logp, entropy = pallas.fused_logprob(h, w, targets, t, with_entropy=True, chunk_size=128,
+    logp, entropy = pallas_fused_logprob(h, w, targets, t, with_entropy=True, chunk_size=128,
                                          interpret=False)
     return jnp.sum(logp) + jnp.sum(entropy)
 
