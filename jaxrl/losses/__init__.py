@@ -31,7 +31,15 @@ from jaxrl.losses.reductions import REDUCTIONS, count, reduce
 
 
 def nll(lp, mask):
-  """Supervised warm-up loss: `(sum_t m (-lp), sum_t m)`."""
+  """Supervised warm-up loss: the token-mean negative log-likelihood as `(sum, count)`.
+
+  Args:
+    lp: `[B, N]` log-probs of the target tokens under the policy being trained, with gradient.
+    mask: `[B, N]` bool loss mask.
+
+  Returns:
+    `(sum_t m (-lp), sum_t m)`: two float32 scalars (the "token_mean" reduction).
+  """
   return reduce("token_mean", -lp, mask)
 
 

@@ -60,10 +60,31 @@ def _stats(rewards, group_id, valid):
 
 def grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None, *,
          eps: float = 1e-6, ddof: int = 0) -> jax.Array:
-  """`A_i = (r_i - mean_g) / (std_g + eps)`, std = sqrt(sum (r - mean)^2 / (n - ddof)).
+  """GRPO's group-normalised advantage `A_i = (r_i - mean_g) / (std_g + eps)`.
+
+  `std_g = sqrt(sum_(j in g) (r_j - mean_g)^2 / (n - ddof))` over the `n` valid members of group
+  `g`. A zero-variance group (also with `eps = 0`, where 0/0 would be NaN) and a group with
+  `n <= ddof` valid members get exactly 0.
 
   Golden: rewards [1, 0, 0, 0] (eps 0, ddof 0) -> mean 1/4, std sqrt(1/4 * 3/4) = 0.4330,
   A = [0.75, -0.25, -0.25, -0.25] / 0.4330 = [1.732, -0.577, -0.577, -0.577].
+
+  Args:
+    rewards: `[B]` one scalar reward per sample; may be NaN/inf where `valid` is False.
+    group_id: `[B]` int group of each sample (e.g. its prompt's index); any ints, groups are
+      never inferred from equal prompts.
+    valid: `[B]` bool, False for failed or placeholder samples; None means all valid.
+    eps: added to the group std before dividing.
+    ddof: delta degrees of freedom of the std: 0 = population std, 1 = sample (Bessel) std, as
+      TRL.
+
+  Returns:
+    `[B]` float32 advantages, one per sample (exactly 0 for invalid samples); the policy loss
+    broadcasts each over its sample's tokens.
+
+  References:
+    Shao et al. 2024, DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+    Language Models (section 4.1), arXiv:2402.03300.
   """
   r, valid, dense, n, total = _stats(rewards, group_id, valid)
   b = r.shape[0]
@@ -83,12 +104,34 @@ def grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
 
 def grpo_batch_std(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None, *,
                    eps: float = 1e-6, ddof: int = 0) -> jax.Array:
-  """`A_i = (r_i - mean_g) / (std_batch + eps)`, std_batch over every valid reward of the batch:
-  `sqrt(sum_j (r_j - mean_batch)^2 / (n_batch - ddof))`.
+  """Group-mean, batch-std advantage `A_i = (r_i - mean_g) / (std_batch + eps)`.
+
+  `std_batch = sqrt(sum_j (r_j - mean_batch)^2 / (n_batch - ddof))` over every valid reward of
+  the batch. A zero-variance group gets exactly 0, and so does every sample when the whole batch
+  has no spread (or `<= ddof` valid samples).
 
   Golden: groups [1, 0] and [3, 3] (eps 0, ddof 0): group means 1/2 and 3, batch mean 7/4,
   batch std sqrt((9/16 + 49/16 + 25/16 + 25/16) / 4) = sqrt(108/64) = 1.2990;
   A = [0.5, -0.5, 0, 0] / 1.2990 = [0.3849, -0.3849, 0, 0] (grpo would give [1, -1, 0, 0]).
+
+  Args:
+    rewards: `[B]` one scalar reward per sample; may be NaN/inf where `valid` is False.
+    group_id: `[B]` int group of each sample (e.g. its prompt's index); any ints, groups are
+      never inferred from equal prompts.
+    valid: `[B]` bool, False for failed or placeholder samples; None means all valid.
+    eps: added to the batch std before dividing.
+    ddof: delta degrees of freedom of the batch std (0 = population, 1 = sample std, as TRL).
+
+  Returns:
+    `[B]` float32 advantages, one per sample (exactly 0 for invalid samples); the policy loss
+    broadcasts each over its sample's tokens.
+
+  References:
+    Liu et al. 2025, Tricks or Traps? A Deep Dive into RL for LLM Reasoning ("Lite PPO":
+    group-level mean, batch-level std), arXiv:2508.08221; TRL's `scale_rewards="batch"`.
+    Compare REINFORCE++ (Hu 2025, REINFORCE++: A Simple and Efficient Approach for Aligning
+    Large Language Models, arXiv:2501.03262), whose baseline variant likewise subtracts the group
+    mean and normalises by a batch-level std.
   """
   r, valid, dense, n, total = _stats(rewards, group_id, valid)
   mean = total / jnp.maximum(n, 1.0)
@@ -110,15 +153,49 @@ def grpo_batch_std(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | N
 
 def dr_grpo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
             ) -> jax.Array:
-  """`A_i = r_i - mean_g` over valid members (Dr. GRPO: no std normalisation)."""
+  """Dr. GRPO's advantage `A_i = r_i - mean_g`: GRPO's group mean without the std division.
+
+  Dropping the std removes GRPO's question-level difficulty bias (low-spread groups weighted up).
+
+  Args:
+    rewards: `[B]` one scalar reward per sample; may be NaN/inf where `valid` is False.
+    group_id: `[B]` int group of each sample (e.g. its prompt's index); any ints, groups are
+      never inferred from equal prompts.
+    valid: `[B]` bool, False for failed or placeholder samples; None means all valid.
+
+  Returns:
+    `[B]` float32 advantages, one per sample (exactly 0 for invalid samples); the policy loss
+    broadcasts each over its sample's tokens.
+
+  References:
+    Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective,
+    arXiv:2503.20783.
+  """
   r, valid, _, n, total = _stats(rewards, group_id, valid)
   return jnp.where(valid, r - total / jnp.maximum(n, 1.0), 0.0)
 
 
 def rloo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-  """`A_i = r_i - (sum_g - r_i) / (n - 1)`: baseline is the mean of the *other* valid members.
+  """RLOO's leave-one-out advantage `A_i = r_i - (sum_g - r_i) / (n - 1)`.
 
-  A group with a single valid member has no baseline and gets 0.
+  The baseline is the mean of the *other* valid members of the group, so it does not depend on
+  `r_i`. A group with a single valid member has no baseline and gets 0. With `G` valid members
+  it equals `G / (G - 1)` times `dr_grpo`.
+
+  Args:
+    rewards: `[B]` one scalar reward per sample; may be NaN/inf where `valid` is False.
+    group_id: `[B]` int group of each sample (e.g. its prompt's index); any ints, groups are
+      never inferred from equal prompts.
+    valid: `[B]` bool, False for failed or placeholder samples; None means all valid.
+
+  Returns:
+    `[B]` float32 advantages, one per sample (exactly 0 for invalid samples); the policy loss
+    broadcasts each over its sample's tokens.
+
+  References:
+    Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free! (ICLR 2019 workshop);
+    for LLMs, Ahmadian et al. 2024, Back to Basics: Revisiting REINFORCE Style Optimization for
+    Learning from Human Feedback in LLMs, arXiv:2402.14740.
   """
   r, valid, _, n, total = _stats(rewards, group_id, valid)
   ok = valid & (n > 1)
@@ -127,7 +204,16 @@ def rloo(rewards: jax.Array, group_id: jax.Array, valid: jax.Array | None = None
 
 def clip_advantages(advantages: jax.Array, low: float | None = None,
                     high: float | None = None) -> jax.Array:
-  """`clip(A, low, high)`; None leaves that side open."""
+  """Clips advantages elementwise: `clip(A, low, high)`, None leaving that side open.
+
+  Args:
+    advantages: `[B]` (or `[B, N]`, any shape) advantages.
+    low: lower bound, or None for none.
+    high: upper bound, or None for none.
+
+  Returns:
+    The clipped advantages, same shape; `advantages` itself when both bounds are None.
+  """
   if low is None and high is None:
     return advantages
   return jnp.clip(advantages, low, high)
@@ -137,8 +223,29 @@ def compute_advantages(estimator: str, rewards: jax.Array, group_id: jax.Array,
                        valid: jax.Array | None = None, *, eps: float = 1e-6, ddof: int = 0,
                        clip_low: float | None = None, clip_high: float | None = None
                        ) -> jax.Array:
-  """The estimator named by `estimator` (see the module table), then clipping. `eps` and `ddof`
-  are used by the two std-scaled estimators only."""
+  """Advantages by the estimator named `estimator` (see the module table), then clipping.
+
+  Args:
+    estimator: one of `ADVANTAGE_ESTIMATORS`: "grpo", "grpo_batch_std", "dr_grpo", "rloo".
+    rewards: `[B]` one scalar reward per sample; may be NaN/inf where `valid` is False.
+    group_id: `[B]` int group of each sample (e.g. its prompt's index); any ints, groups are
+      never inferred from equal prompts.
+    valid: `[B]` bool, False for failed or placeholder samples; None means all valid.
+    eps: std offset; used by "grpo" and "grpo_batch_std" only.
+    ddof: delta degrees of freedom of the std; used by "grpo" and "grpo_batch_std" only.
+    clip_low: lower clip of the advantages (`clip_advantages`), or None.
+    clip_high: upper clip of the advantages, or None.
+
+  Returns:
+    `[B]` float32 advantages, one per sample (exactly 0 for invalid samples); the policy loss
+    broadcasts each over its sample's tokens.
+
+  Raises:
+    ValueError: for an unknown estimator name.
+
+  References:
+    Those of the chosen estimator: see `grpo`, `grpo_batch_std`, `dr_grpo` and `rloo`.
+  """
   if estimator == "grpo":
     a = grpo(rewards, group_id, valid, eps=eps, ddof=ddof)
   elif estimator == "grpo_batch_std":

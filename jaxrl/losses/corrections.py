@@ -67,6 +67,13 @@ class CorrectionParams:
 
 
 class Correction(NamedTuple):
+  """A correction's output: the loss becomes `where(keep, weight * loss, 0)`.
+
+  Attributes:
+    weight: `[B, N]` float32 per-token weight, a constant.
+    keep: `[B, N]` bool, False for the tokens the correction drops.
+    metrics: name -> `(sum, count)` pair (e.g. the clipped or masked fraction).
+  """
   weight: jax.Array  # [B, N] float32, constant
   keep: jax.Array  # [B, N] bool
   metrics: dict  # name -> (sum, count) pairs, already restricted to valid tokens / rows
@@ -91,7 +98,33 @@ def _frac(flags, over):
 
 def correction(name: str, lp: jax.Array, lp_old: jax.Array, lp_gen: jax.Array, adv: jax.Array,
                mask: jax.Array, params: CorrectionParams = CorrectionParams()) -> Correction:
-  """One correction (see the module table). `adv` is `[B]` or `[B, N]`."""
+  """One off-policy correction, by name, against the sampler's log-probs (see the module table).
+
+  Args:
+    name: one of `CORRECTIONS`: "token_tis", "seq_tis", "icepop", "seq_mask_tis", "geo_mask",
+      "product_mask", "outlier_mask", "dppo_tv".
+    lp: `[B, N]` log-probs under the current params; only "dppo_tv" reads it (no gradient).
+    lp_old: `[B, N]` the trainer's recompute before the update.
+    lp_gen: `[B, N]` the sampler's log-probs of the same tokens ("rollout_logprobs").
+    adv: `[B]` or `[B, N]` advantages; only "dppo_tv" reads them (their sign).
+    mask: `[B, N]` bool loss mask.
+    params: the thresholds (`CorrectionParams`).
+
+  Returns:
+    `Correction(weight [B, N] float32, keep [B, N] bool, metrics)`; `metrics` maps one
+    `"correction/..._frac"` name to a `(sum, count)` pair over the valid tokens or rows.
+
+  Raises:
+    ValueError: for an unknown correction name.
+
+  References:
+    "token_tis", "seq_tis": Yao et al. 2025, Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training (blog), https://fengyao.notion.site/off-policy-rl. "icepop": Ling
+    Team 2025, Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking
+    Model (Ring-1T), arXiv:2510.18855. "dppo_tv": Qi et al. 2026, Rethinking the Trust Region in
+    LLM Reinforcement Learning, arXiv:2602.04879. "seq_mask_tis", "geo_mask", "product_mask"
+    and "outlier_mask" cite no paper here.
+  """
   mask = jnp.asarray(mask, bool)
   delta = _delta(lp_old, lp_gen, mask)
   rho = jnp.where(mask, jnp.exp(delta), 1.0)
@@ -141,7 +174,27 @@ def correction(name: str, lp: jax.Array, lp_old: jax.Array, lp_gen: jax.Array, a
 
 def combine(names, lp, lp_old, lp_gen, adv, mask,
             params: CorrectionParams = CorrectionParams()) -> Correction:
-  """Applies `names` in order: weights multiply, masks and, metrics merge. `()` is no-op."""
+  """Applies the corrections `names` in order: weights multiply, masks and, metrics merge.
+
+  Args:
+    names: sequence of correction names (e.g. from `parse_correction`); `()` is a no-op.
+    lp: `[B, N]` log-probs under the current params; only "dppo_tv" reads it (no gradient).
+    lp_old: `[B, N]` the trainer's recompute before the update.
+    lp_gen: `[B, N]` the sampler's log-probs of the same tokens ("rollout_logprobs").
+    adv: `[B]` or `[B, N]` advantages; only "dppo_tv" reads them (their sign).
+    mask: `[B, N]` bool loss mask.
+    params: the thresholds (`CorrectionParams`).
+
+  Returns:
+    A `Correction`: `keep` = `mask` and every correction's keep, `weight` = the product of the
+    weights (0 where not kept), `metrics` = the union of theirs.
+
+  Raises:
+    ValueError: for an unknown correction name.
+
+  References:
+    Those of each correction: see `correction`.
+  """
   mask = jnp.asarray(mask, bool)
   w, keep, metrics = jnp.ones(mask.shape, jnp.float32), mask, {}
   for name in names:
@@ -152,7 +205,17 @@ def combine(names, lp, lp_old, lp_gen, adv, mask,
 
 
 def parse_correction(text: str) -> tuple[str, ...]:
-  """`"none"` or `""` -> (); `"outlier_mask+token_tis"` -> ("outlier_mask", "token_tis")."""
+  """Parses a config string of correction names joined by `+`.
+
+  `"none"` or `""` -> (); `"outlier_mask+token_tis"` -> ("outlier_mask", "token_tis").
+
+  Args:
+    text: the config value.
+
+  Returns:
+    The names in order, whitespace stripped (not validated: `correction` raises on an unknown
+    one).
+  """
   if text in ("", "none"):
     return ()
   return tuple(part.strip() for part in text.split("+"))

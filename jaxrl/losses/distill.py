@@ -33,8 +33,9 @@ import jax.numpy as jnp
 def reverse_kl_advantages(lp_teacher: jax.Array, lp_behaviour: jax.Array, mask: jax.Array, *,
                           coef: float = 1.0, seq_advantages: jax.Array | None = None,
                           reward_weight: float = 0.0) -> jax.Array:
-  """`[B, N]` per-token advantages `coef (lp_teacher - lp_behaviour) + reward_weight A_seq`,
-  0 where `mask` is False, with no gradient (see the module docstring).
+  """Per-token on-policy distillation advantages `coef (lp_teacher - lp_behaviour) + w A_seq`.
+
+  `w` is `reward_weight`. 0 where `mask` is False, with no gradient (see the module docstring).
 
   Args:
     lp_teacher: `[B, N]` the teacher's log-probs of the sampled tokens.
@@ -43,6 +44,17 @@ def reverse_kl_advantages(lp_teacher: jax.Array, lp_behaviour: jax.Array, mask: 
     coef: weight of the reverse-KL term.
     seq_advantages: `[B]` the task reward's advantages (e.g. `compute_advantages`), or None.
     reward_weight: their weight (ignored when `seq_advantages` is None).
+
+  Returns:
+    `[B, N]` float32 per-token advantages (a constant), 0 at masked tokens; pass them as `adv`
+    to a policy loss.
+
+  References:
+    Agarwal et al. 2024, On-Policy Distillation of Language Models: Learning from Self-Generated
+    Mistakes (GKD), arXiv:2306.13649; Gu et al. 2024, MiniLLM: Knowledge Distillation of Large
+    Language Models (reverse KL on student samples), arXiv:2306.08543; the per-token
+    reverse-KL advantage: Lu and Thinking Machines Lab 2025, On-Policy Distillation (blog),
+    https://thinkingmachines.ai/blog/on-policy-distillation/.
   """
   mask = jnp.asarray(mask, bool)
   lp_teacher = jnp.asarray(lp_teacher, jnp.float32)
@@ -58,8 +70,27 @@ def reverse_kl_advantages(lp_teacher: jax.Array, lp_behaviour: jax.Array, mask: 
 
 def reverse_kl(lp_student: jax.Array, lp_teacher: jax.Array, mask: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
-  """The sampled estimate of the per-sequence reverse KL, summed over tokens: `(sum over the
-  batch, number of rows with a token)`, for the `distill/reverse_kl` metric (row mean)."""
+  """Sampled estimate of the per-sequence reverse KL(student || teacher), as `(sum, count)`.
+
+  Per row, `sum_t m (lp_student - lp_teacher)`; the row mean of these is the
+  `distill/reverse_kl` metric.
+
+  Args:
+    lp_student: `[B, N]` the student's log-probs of its own sampled tokens.
+    lp_teacher: `[B, N]` the teacher's log-probs of the same tokens.
+    mask: `[B, N]` bool completion mask.
+
+  Returns:
+    `(sum, count)`: float32 scalars, the per-row sums added over the batch and the number of
+    rows with at least one valid token.
+
+  References:
+    Agarwal et al. 2024, On-Policy Distillation of Language Models: Learning from Self-Generated
+    Mistakes (GKD), arXiv:2306.13649; Gu et al. 2024, MiniLLM: Knowledge Distillation of Large
+    Language Models (reverse KL on student samples), arXiv:2306.08543; the per-token
+    reverse-KL advantage: Lu and Thinking Machines Lab 2025, On-Policy Distillation (blog),
+    https://thinkingmachines.ai/blog/on-policy-distillation/.
+  """
   mask = jnp.asarray(mask, bool)
   per_token = jnp.where(mask, jnp.asarray(lp_student, jnp.float32), 0.0) - \
       jnp.where(mask, jnp.asarray(lp_teacher, jnp.float32), 0.0)

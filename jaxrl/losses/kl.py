@@ -50,7 +50,34 @@ from jaxrl.core.names import KL_ESTIMATORS
 
 def kl_estimate(lp: jax.Array, lp_base: jax.Array, estimator: str = "k2", mask=None, *,
                 clamp_input: float = 20.0, clamp_output: float = 10.0) -> jax.Array:
-  """Per-token KL estimate (see the module docstring); 0 where `mask` is False."""
+  """Per-token estimate of KL(pi || base) from the sampled tokens' log-probs.
+
+  With `d = lp - sg(lp_base)`: `k1 = d`, `abs = |d|`, `k2 = d**2 / 2`, `k3 = exp(-d) - 1 + d` (see
+  the module table for bias and variance). Only `k3` is clamped: `-d` to `[-clamp_input,
+  clamp_input]` before `exp`, the value to `[0, clamp_output]`; where a clamp is active the
+  token's gradient is 0. The gradient flows through `lp` only.
+
+  Args:
+    lp: `[B, N]` (any shape) log-probs of the sampled tokens under the policy being trained,
+      with gradient.
+    lp_base: same shape, the base policy's log-probs (reference model or sampler); a constant.
+    estimator: one of `KL_ESTIMATORS`: "k1", "k2", "k3", "abs".
+    mask: same shape, bool; None means every position. Masked positions may hold NaN/inf.
+    clamp_input: bound on `-d` before `k3`'s `exp`.
+    clamp_output: upper bound on the `k3` value.
+
+  Returns:
+    Per-token estimates, the shape of `lp`, dtype at least float32; 0 where `mask` is False.
+    Reduce them to `(sum, count)` with `reduce`.
+
+  Raises:
+    ValueError: for an unknown estimator name.
+
+  References:
+    Schulman 2020, Approximating KL Divergence (blog), http://joschu.net/blog/kl-approx.html
+    (k1, k2, k3); k3 as GRPO's KL penalty: Shao et al. 2024, DeepSeekMath, arXiv:2402.03300
+    (eq. 4).
+  """
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
   lp = jnp.asarray(lp)
@@ -79,9 +106,31 @@ def kl_estimate(lp: jax.Array, lp_base: jax.Array, estimator: str = "k2", mask=N
 
 def importance_weight(lp: jax.Array, lp_behaviour: jax.Array, mask=None, *,
                       level: str = "token", clamp: float = 20.0) -> jax.Array:
-  """`w = exp(lp - sg(lp_behaviour))` per token ("token"), or the row's
-  `exp(sum_t m (lp - sg(lp_behaviour)) / sum_t m)` shared by its tokens ("sequence", GSPO's
-  ratio); the log-ratio clamped to `[-clamp, clamp]`. Gradient through `lp`; 1 where masked."""
+  """Importance weight `w = exp(lp - sg(lp_behaviour))`, per token or per sequence.
+
+  "token": `w_t = exp(lp_t - sg(lp_behaviour_t))`. "sequence": the row's geometric-mean ratio
+  `exp(sum_t m (lp - sg(lp_behaviour)) / sum_t m)`, shared by every token of the row (GSPO's
+  sequence ratio). The log-ratio is clamped to `[-clamp, clamp]`. Not detached: the gradient
+  flows through `lp`.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the policy being trained, with gradient.
+    lp_behaviour: `[B, N]` log-probs under the policy that sampled them (the trainer's
+      recompute `lp_old` or the sampler's `lp_gen`); a constant.
+    mask: `[B, N]` bool; None means every token.
+    level: "token" or "sequence".
+    clamp: bound on the log-ratio, so `w` stays finite.
+
+  Returns:
+    `[B, N]` weights, dtype at least float32; 1 where `mask` is False.
+
+  Raises:
+    ValueError: for a `level` other than "token" or "sequence".
+
+  References:
+    The sequence-level ratio is GSPO's: Zheng et al. 2025, Group Sequence Policy Optimization,
+    arXiv:2507.18071.
+  """
   if level not in ("token", "sequence"):
     raise ValueError(f"unknown importance level {level!r}; expected 'token' or 'sequence'")
   lp = jnp.asarray(lp)
@@ -99,12 +148,34 @@ def importance_weight(lp: jax.Array, lp_behaviour: jax.Array, mask=None, *,
 def importance_weighted_kl(lp: jax.Array, lp_base: jax.Array, lp_behaviour: jax.Array,
                            estimator: str = "k3", mask=None, *, level: str = "token",
                            clamp_input: float = 20.0, clamp_output: float = 10.0) -> jax.Array:
-  """`importance_weight(lp, lp_behaviour) * kl_estimate(lp, lp_base)` per token: the KL estimate
-  for tokens sampled from the behaviour policy (see the module docstring); 0 where masked.
+  """Importance-weighted per-token KL estimate `w * k` for tokens sampled off-policy.
+
+  `w = importance_weight(lp, lp_behaviour)` (with its gradient) and `k = kl_estimate(lp,
+  lp_base)`: since `E_mu[(pi / mu) k] = E_pi[k]`, `w k` estimates KL(pi || base) without bias for
+  tokens sampled from the behaviour policy mu, and so does its gradient (see the module
+  docstring).
 
   Golden (k3, token): `lp = -1`, base `-2`, behaviour `-1.5`: `w = e^0.5 = 1.6487`,
   `d = 1`, `k3 = e^-1 - 1 + 1 = 0.3679`, value 0.6065; gradient `w k3 + w (1 - e^-1)` = 0.6065
   + 1.0422 = 1.6487 = `w d` (k3 + dk3/dd = d: the weighted k3's gradient is k2's, times w).
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the policy being trained, with gradient.
+    lp_base: `[B, N]` the base (reference) policy's log-probs; a constant.
+    lp_behaviour: `[B, N]` log-probs under the policy that sampled the tokens; a constant.
+    estimator: one of `KL_ESTIMATORS` (default "k3").
+    mask: `[B, N]` bool; None means every token.
+    level: "token" or "sequence" weight (see `importance_weight`).
+    clamp_input: `k3`'s input clamp, also the clamp of the weight's log-ratio.
+    clamp_output: `k3`'s output clamp.
+
+  Returns:
+    `[B, N]` weighted per-token estimates, 0 where `mask` is False.
+
+  References:
+    DeepSeek-AI 2025, DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models (the
+    unbiased KL estimate), arXiv:2512.02556; as TRL's `use_bias_correction_kl`. The estimators:
+    Schulman 2020, Approximating KL Divergence, http://joschu.net/blog/kl-approx.html.
   """
   k = kl_estimate(lp, lp_base, estimator, mask, clamp_input=clamp_input,
                   clamp_output=clamp_output)

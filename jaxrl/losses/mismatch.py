@@ -32,7 +32,24 @@ _CLAMP = 20.0
 
 def mismatch_metrics(lp_old: jax.Array, lp_gen: jax.Array, mask: jax.Array,
                      seq_threshold: float | None = None) -> tuple[st.Stats, jax.Array]:
-  """Returns `(Stats, keep_rows [B] bool)`; see the module table."""
+  """Train/sampler mismatch metrics, and the rows kept under a sequence-error threshold.
+
+  Args:
+    lp_old: `[B, N]` the trainer's recompute of the sampled tokens' log-probs.
+    lp_gen: `[B, N]` the sampler's log-probs of the same tokens.
+    mask: `[B, N]` bool loss mask; masked positions may hold NaN/inf.
+    seq_threshold: rows whose `E_i = mean_t exp(|lp_gen - lp_old|)` exceeds it are dropped;
+      None keeps every row.
+
+  Returns:
+    `(stats, keep_rows)`: a `Stats` partial with the `mismatch/*` metrics of the module table
+    (means as `(sum, count)` pairs, extrema, and with a threshold the `mismatch/num_masked_seqs`
+    sum), and `keep_rows`, `[B]` bool, False for the rows to drop from the loss.
+
+  References:
+    `mismatch/gen_kl` is the k3 estimator of Schulman 2020, Approximating KL Divergence (blog),
+    http://joschu.net/blog/kl-approx.html; the other metrics cite no paper.
+  """
   mask = jnp.asarray(mask, bool)
   lp_old = jax.lax.stop_gradient(jnp.asarray(lp_old, jnp.float32))
   lp_gen = jnp.asarray(lp_gen, jnp.float32)

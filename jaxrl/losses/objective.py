@@ -6,10 +6,11 @@
          - entropy_coef    * [ reduce(entropy) / C_policy ]
 
 With on-policy distillation (`distill_coef != 0`) the policy term's advantage is per token, from
-the teacher's log-probs (`jaxrl.losses.distill`). `(w, keep)` come from the off-policy corrections and the optional sequence masking by
-`seq_logprob_error_threshold`; each `C` is the *global* count of its reduction over the whole
-batch (`global_counts`), so summing this function over micro-batches gives the full-batch loss
-and gradient exactly, and a padding micro-batch (mask all False) adds exactly 0.
+the teacher's log-probs (`jaxrl.losses.distill`). `(w, keep)` come from the off-policy
+corrections and the optional sequence masking by `seq_logprob_error_threshold`; each `C` is the
+*global* count of its reduction over the whole batch (`global_counts`), so summing this
+function over micro-batches gives the full-batch loss and gradient exactly, and a padding
+micro-batch (mask all False) adds exactly 0.
 
 Each KL term's reduction is `token_mean`, `seq_mean` (= `seq_mean_token_mean`) or `policy`: the
 policy term's own `reduction` (with its `norm_len`), so e.g. under Dr. GRPO's constant normaliser
@@ -80,7 +81,11 @@ class ObjectiveConfig:
   distill_reward_weight: float = 0.0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
-    """The settings that need the sampler's log-probs (`lp_gen`), by their run-config key."""
+    """The settings that need the sampler's log-probs (`lp_gen`), by their run-config key.
+
+    Returns:
+      A tuple of run-config keys (e.g. "loss.correction"); empty when `lp_gen` is not needed.
+    """
     uses = (("loss.correction", bool(self.correction)),
             ("rollout_kl.coef", self.rollout_kl_coef != 0),
             ("loss.seq_logprob_error_threshold", self.seq_logprob_error_threshold is not None),
@@ -88,19 +93,42 @@ class ObjectiveConfig:
     return tuple(key for key, on in uses if on)
 
   def kl_reduction(self, name: str) -> str:
-    """The loss reduction a KL term with reduction `name` uses ("policy" = `self.reduction`)."""
+    """The loss reduction a KL term with reduction `name` uses ("policy" = `self.reduction`).
+
+    Args:
+      name: one of `KL_REDUCTIONS`: "token_mean", "seq_mean", "policy".
+
+    Returns:
+      A name of `reductions.REDUCTIONS`.
+
+    Raises:
+      ValueError: for an unknown KL reduction name.
+    """
     if name not in KL_REDUCTIONS:
       raise ValueError(f"unknown KL reduction {name!r}; expected one of {KL_REDUCTION_NAMES}")
     return KL_REDUCTIONS[name] or self.reduction
 
   def reductions(self) -> tuple[str, ...]:
-    """Every reduction whose global count the objective divides by."""
+    """Every reduction whose global count the objective divides by.
+
+    Returns:
+      The sorted tuple of distinct reduction names (the policy term's and both KL terms').
+    """
     return tuple(sorted({self.reduction, self.kl_reduction(self.rollout_kl_reduction),
                          self.kl_reduction(self.ref_kl_reduction)}))
 
 
 def global_counts(cfg: ObjectiveConfig, mask: jax.Array) -> dict[str, jax.Array]:
-  """Counts of the whole batch for every reduction the objective uses (computed once)."""
+  """Whole-batch counts of every reduction the objective divides by (computed once per step).
+
+  Args:
+    cfg: the objective's settings.
+    mask: `[B, N]` bool loss mask of the *whole* batch (every micro-batch and host).
+
+  Returns:
+    `{reduction name: float32 scalar count}` (`reductions.count`) for each of
+    `cfg.reductions()`; pass it as `counts` to `objective`.
+  """
   return {name: count(name, mask) for name in cfg.reductions()}
 
 
@@ -108,14 +136,37 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
               mask: jax.Array, counts: dict[str, jax.Array], *, lp_gen: jax.Array | None = None,
               lp_ref: jax.Array | None = None, entropy: jax.Array | None = None,
               lp_teacher: jax.Array | None = None) -> tuple[jax.Array, st.Stats]:
-  """This micro-batch's share of the loss, and its metric partials (see the module docstring).
+  """This micro-batch's share of the RL loss, and its metric partials.
 
-  `lp_gen` is required when a correction, the rollout-KL term or the error threshold is on;
-  `lp_ref` when `ref_kl_coef != 0`; `entropy` when `entropy_coef != 0`; `lp_teacher` when
-  `distill_coef != 0` (then `adv`, the task reward's `[B]` advantages, is replaced by the
-  per-token distillation advantages of `jaxrl.losses.distill.reverse_kl_advantages`, against
-  `lp_gen`, or `lp_old` without it, and the metric `distill/reverse_kl` is the row mean of the
-  summed `lp - lp_teacher`).
+  The loss is composed as in the module docstring; summed over micro-batches it gives the
+  full-batch loss and gradient exactly.
+
+  Args:
+    cfg: the static settings (`ObjectiveConfig`).
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` the trainer's recompute before the update; a constant.
+    adv: `[B]` per-sample advantages (or `[B, N]` per-token ones).
+    mask: `[B, N]` bool loss mask (all False for a padding micro-batch).
+    counts: `global_counts(cfg, mask_of_the_whole_batch)`.
+    lp_gen: `[B, N]` the sampler's log-probs; required when a correction, the rollout-KL term,
+      the error threshold or `ratio_base="rollout"` is on.
+    lp_ref: `[B, N]` the reference model's log-probs; required when `ref_kl_coef != 0`.
+    entropy: `[B, N]` per-token entropy; required when `entropy_coef != 0`.
+    lp_teacher: `[B, N]` the teacher's log-probs; required when `distill_coef != 0`. Then `adv`
+      (the task reward's `[B]` advantages) is replaced by the per-token distillation advantages
+      of `jaxrl.losses.distill.reverse_kl_advantages`, against `lp_gen` (or `lp_old` without
+      it), and the metric `distill/reverse_kl` is the row mean of the summed `lp - lp_teacher`.
+
+  Returns:
+    `(loss, stats)`: the float32 scalar loss of this micro-batch, and a `Stats` partial of its
+    metrics (combine with `stats.merge`, then `stats.finalize`).
+
+  Raises:
+    ValueError: when an input the settings need is missing, or `ratio_base` is unknown.
+
+  References:
+    Those of its parts: see `policy_loss`, `kl_estimate`, `importance_weighted_kl`,
+    `correction`, `reduce` and `reverse_kl_advantages`.
   """
   mask = jnp.asarray(mask, bool)
   div = lambda s, red: s / jnp.maximum(counts[red], 1.0)

@@ -61,6 +61,13 @@ from jaxrl.core.names import POLICY_LOSSES, check_registry
 
 
 class PolicyLoss(NamedTuple):
+  """Per-token output of a policy loss; every field is `[B, N]`.
+
+  Attributes:
+    loss: per-token loss, 0 where masked.
+    ratio: the importance ratio the loss used (1 where masked, and for `reinforce`).
+    clipped: float 1 where a clip bound (or the dual clip) was active, else 0.
+  """
   loss: jax.Array  # [B, N] per-token loss (0 where masked)
   ratio: jax.Array  # [B, N] the importance ratio the loss used (1 for reinforce)
   clipped: jax.Array  # [B, N] float 1 where a clip bound (or the dual clip) was active
@@ -100,7 +107,32 @@ def _clipped_objective(ratio, a, mask, eps_low, eps_high, dual_clip):
 def ppo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
         eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
         ) -> PolicyLoss:
-  """PPO clip with asymmetric bounds and optional dual clip (see the module table)."""
+  """PPO's clipped surrogate per token, with asymmetric bounds and an optional dual clip.
+
+  `loss = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))` with `r = exp(lp - lp_old)`; with a
+  dual clip `c`, where `A < 0`: `min(loss, -A c)`.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` log-probs the ratio is taken against (the trainer's recompute before the
+      update, or the sampler's); a constant (`stop_gradient` inside).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    eps_low: the ratio's lower clip bound is `1 - eps_low`.
+    eps_high: the ratio's upper clip bound is `1 + eps_high` (`eps_high > eps_low`: DAPO's
+      clip-higher).
+    dual_clip: `c > 1` caps the loss of `A < 0` tokens at `-A c`; None for no dual clip.
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+
+  References:
+    Schulman et al. 2017, Proximal Policy Optimization Algorithms, arXiv:1707.06347.
+    Clip-higher (`eps_high > eps_low`): Yu et al. 2025, DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale, arXiv:2503.14476. Dual clip: Ye et al. 2020, Mastering Complex
+    Control in MOBA Games with Deep Reinforcement Learning, arXiv:1912.09729.
+  """
   ratio = jnp.exp(_log_ratio(lp, lp_old, mask))
   return _clipped_objective(ratio, _broadcast_adv(adv, lp), mask, eps_low, eps_high, dual_clip)
 
@@ -108,9 +140,30 @@ def ppo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
 def gspo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
          eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
          ) -> PolicyLoss:
-  """GSPO: `s_i = exp(sum_t m (lp - lp_old) / sum_t m)` replaces the token ratio.
+  """GSPO: PPO's clip on a sequence-level ratio shared by every token of a row.
 
+  `s_i = exp(sum_t m (lp - lp_old) / sum_t m)` replaces the token ratio, so
   `d s_i / d lp_t = s_i m_t / n_i`: every token of a row shares one ratio and one clip decision.
+  Pair it with a sequence-mean reduction.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` log-probs the ratio is taken against (the trainer's recompute before the
+      update, or the sampler's); a constant (`stop_gradient` inside).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    eps_low: the ratio's lower clip bound is `1 - eps_low`.
+    eps_high: the ratio's upper clip bound is `1 + eps_high` (`eps_high > eps_low`: DAPO's
+      clip-higher).
+    dual_clip: `c > 1` caps the loss of `A < 0` tokens at `-A c`; None for no dual clip.
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+    `ratio` holds `s_i` on each valid token of row i.
+
+  References:
+    Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071.
   """
   log_ratio = _log_ratio(lp, lp_old, mask)
   n = jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32)
@@ -122,8 +175,35 @@ def gspo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
 def cispo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
           eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
           ) -> PolicyLoss:
-  """CISPO: `-A sg(clip(r, 1 - eps_low, 1 + eps_high)) lp` (no dual clip); for the mapping of
-  `eps_low` / `eps_high` to MiniMax's, TRL's and verl's parameters see the module docstring."""
+  """CISPO: REINFORCE weighted by the clipped, detached importance ratio.
+
+  `loss = -A sg(clip(r, 1 - eps_low, 1 + eps_high)) lp`: the clip only bounds the weight, so
+  clipped tokens still get a gradient. For the mapping of `eps_low` / `eps_high` to MiniMax's,
+  TRL's and verl's parameters see the module docstring.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` log-probs the ratio is taken against (the trainer's recompute before the
+      update, or the sampler's); a constant (`stop_gradient` inside).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    eps_low: the ratio's lower clip bound is `1 - eps_low`.
+    eps_high: the ratio's upper clip bound is `1 + eps_high` (`eps_high > eps_low`: DAPO's
+      clip-higher).
+    dual_clip: must be None (CISPO has no dual clip).
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+    `clipped` marks tokens whose ratio left the band.
+
+  Raises:
+    ValueError: if `dual_clip` is not None.
+
+  References:
+    MiniMax 2025, MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention
+    (section 3), arXiv:2506.13585.
+  """
   if dual_clip is not None:
     raise ValueError("cispo does not take a dual clip")
   a = _broadcast_adv(adv, lp)
@@ -140,12 +220,35 @@ def sapo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
          dual_clip: float | None = None) -> PolicyLoss:
   """SAPO: `-A (4 / tau) sigmoid(tau (r - 1))`, `tau = tau_pos` where `A > 0` else `tau_neg`.
 
-  `d loss / d lp = -A 4 s (1 - s) r` with `s = sigmoid(tau (r - 1))`: `-A` at `r = 1`, decaying
-  smoothly (never to exactly 0, unlike the hard clip) as r leaves 1; a larger tau narrows the
-  trust region. The log-ratio is clamped to [-20, 20] inside the gate as verl does (the gate is
-  flat there; it keeps `r` finite). `eps_low` / `eps_high` are unused (no clip: `clipped` is 0).
+  A smooth gate in place of the hard clip. `d loss / d lp = -A 4 s (1 - s) r` with
+  `s = sigmoid(tau (r - 1))`: `-A` at `r = 1`, decaying smoothly (never to exactly 0, unlike the
+  hard clip) as r leaves 1; a larger tau narrows the trust region. The log-ratio is clamped to
+  [-20, 20] inside the gate as verl does (the gate is flat there; it keeps `r` finite).
   Golden (tau 1): `A = 1, r = 2`: loss `-4 sigmoid(1) = -2.9242`, gradient
   `-4 * 0.7311 * 0.2689 * 2 = -1.5729`.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` log-probs the ratio is taken against (the trainer's recompute before the
+      update, or the sampler's); a constant (`stop_gradient` inside).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    tau_pos: gate temperature where `A > 0`.
+    tau_neg: gate temperature where `A <= 0` (larger: negative updates damped faster).
+    eps_low: unused (no clip).
+    eps_high: unused (no clip).
+    dual_clip: must be None.
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+    `clipped` is all 0; `ratio` is the unclamped `r`.
+
+  Raises:
+    ValueError: if `dual_clip` is not None.
+
+  References:
+    Gao et al. 2025, Soft Adaptive Policy Optimization, arXiv:2511.20347.
   """
   del eps_low, eps_high
   if dual_clip is not None:
@@ -161,7 +264,26 @@ def sapo(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
 def reinforce(lp: jax.Array, lp_old: jax.Array, adv: jax.Array, mask: jax.Array, *,
               eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
               ) -> PolicyLoss:
-  """REINFORCE: `-A lp` (lp_old and the clip settings are unused)."""
+  """REINFORCE: the score-function loss `-A lp`.
+
+  Args:
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: unused (kept for the common signature).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    eps_low: unused.
+    eps_high: unused.
+    dual_clip: unused.
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+    `ratio` is all 1 and `clipped` all 0.
+
+  References:
+    Williams 1992, Simple Statistical Gradient-Following Algorithms for Connectionist
+    Reinforcement Learning, Machine Learning 8.
+  """
   del lp_old, eps_low, eps_high, dual_clip
   a = _broadcast_adv(adv, lp)
   loss = jnp.where(mask, -a * jnp.where(mask, lp, 0.0), 0.0)
@@ -173,7 +295,28 @@ check_registry("POLICY_LOSSES", POLICY_LOSSES, POLICIES)
 
 
 def policy_loss(name: str, lp, lp_old, adv, mask, **kw) -> PolicyLoss:
-  """The loss named `name` (a key of `POLICIES`)."""
+  """The policy loss named `name` (a key of `POLICIES`), applied to the arrays.
+
+  Args:
+    name: one of `POLICY_LOSSES`: "ppo", "gspo", "cispo", "sapo", "reinforce".
+    lp: `[B, N]` log-probs of the sampled tokens under the params being trained, with gradient.
+    lp_old: `[B, N]` log-probs the ratio is taken against (the trainer's recompute before the
+      update, or the sampler's); a constant (`stop_gradient` inside).
+    adv: `[B]` per-sample advantages (broadcast over tokens) or `[B, N]` per-token ones.
+    mask: `[B, N]` bool loss mask; `lp` and `lp_old` may hold NaN where it is False.
+    **kw: that loss's keyword settings: `eps_low`, `eps_high`, `dual_clip`, and for "sapo"
+      also `tau_pos`, `tau_neg`.
+
+  Returns:
+    `PolicyLoss(loss, ratio, clipped)`, each `[B, N]`; where `mask` is False the loss is 0, the
+    ratio 1 and `clipped` 0. Reduce `loss` with `reductions.reduce`.
+
+  Raises:
+    ValueError: for an unknown loss name.
+
+  References:
+    Those of the chosen loss: see `ppo`, `gspo`, `cispo`, `sapo` and `reinforce`.
+  """
   if name not in POLICIES:
     raise ValueError(f"unknown policy loss {name!r}; expected one of {POLICY_LOSSES}")
   return POLICIES[name](lp, lp_old, adv, mask, **kw)

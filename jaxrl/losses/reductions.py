@@ -30,7 +30,35 @@ from jaxrl.core.names import REDUCTIONS
 
 def reduce(name: str, x: jax.Array, mask: jax.Array, norm_len: int | None = None
            ) -> tuple[jax.Array, jax.Array]:
-  """`(sum, count)` of `x` by the reduction `name` (see the module table), in float32."""
+  """Reduces a per-token quantity to a `(sum, count)` pair by the reduction `name`.
+
+  The loss is `sum / count` with the count of the *global* batch (`count(name, mask)` over every
+  micro-batch and host), so micro-batch sums add exactly. See the module table.
+
+  Args:
+    name: one of `REDUCTIONS`: "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+      "seq_mean_token_sum_norm".
+    x: `[B, N]` per-token values (e.g. `PolicyLoss.loss`); positions where `mask` is False are
+      ignored and may hold NaN.
+    mask: `[B, N]` bool loss mask.
+    norm_len: the constant divisor of "seq_mean_token_sum_norm"; None means N. Unused by the
+      others.
+
+  Returns:
+    `(sum, count)`, two float32 scalars. `count` is this call's own (valid tokens for
+    "token_mean", rows with a valid token otherwise); for an exact global loss divide the summed
+    `sum` by the global `count` instead.
+
+  Raises:
+    ValueError: for an unknown reduction name.
+
+  References:
+    "token_mean": DAPO's token-level loss, Yu et al. 2025, DAPO: An Open-Source LLM
+    Reinforcement Learning System at Scale, arXiv:2503.14476. "seq_mean_token_mean": GRPO's
+    per-sequence mean, Shao et al. 2024, DeepSeekMath, arXiv:2402.03300.
+    "seq_mean_token_sum_norm": Dr. GRPO's constant normaliser, Liu et al. 2025, Understanding
+    R1-Zero-Like Training: A Critical Perspective, arXiv:2503.20783.
+  """
   mask = jnp.asarray(mask, bool)
   x = jnp.where(mask, jnp.asarray(x).astype(jnp.float32), 0.0)
   n = jnp.sum(mask, axis=-1).astype(jnp.float32)
@@ -48,7 +76,22 @@ def reduce(name: str, x: jax.Array, mask: jax.Array, norm_len: int | None = None
 
 
 def count(name: str, mask: jax.Array) -> jax.Array:
-  """The count of `reduce(name, ., mask)`: what a global batch divides by."""
+  """The count of `reduce(name, ., mask)`: what a global batch divides its summed loss by.
+
+  Args:
+    name: one of `REDUCTIONS`.
+    mask: `[B, N]` bool loss mask (of the whole batch, for the global count).
+
+  Returns:
+    A float32 scalar: the number of valid tokens for "token_mean", else the number of rows with
+    at least one valid token.
+
+  Raises:
+    ValueError: for an unknown reduction name.
+
+  References:
+    As for `reduce`.
+  """
   mask = jnp.asarray(mask, bool)
   n = jnp.sum(mask, axis=-1)
   if name == "token_mean":
