@@ -14,15 +14,24 @@ to its own grader.
 from __future__ import annotations
 
 import dataclasses
-from typing import (TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, Sequence,
-                    runtime_checkable)
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from jaxrl.core.errors import UserError
 
-if TYPE_CHECKING:  # only for annotations: environment modules import this module
-  from jaxrl.envs.base import Task
+class TaskRow(Protocol):
+  """A row a source holds: `jaxrl.envs.Task` is one. This module names what it reads of a row
+  rather than importing the class, since the environments' modules import this one."""
+
+  @property
+  def env(self) -> str: ...
+
+  @property
+  def prompt(self) -> str: ...
+
+  @property
+  def uid(self) -> str: ...
 
 
 @runtime_checkable
@@ -30,11 +39,11 @@ class TaskSource(Protocol):
   name: str
   alphabet: str
 
-  def split(self, name: str) -> list[Task]:
+  def split(self, name: str) -> list[TaskRow]:
     """All rows of split `name` ("train" or "val"), in a fixed order."""
     ...
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+  def sample(self, rng: np.random.Generator, n: int) -> list[TaskRow]:
     """n training rows drawn with replacement (deterministic given rng)."""
     ...
 
@@ -59,17 +68,17 @@ def unknown_split(source: str, name: str, known: Sequence[str]) -> KeyError:
 
 
 class SplitSource:
-  """Base of sources that hold their rows per split in `self._splits` (name -> list of Task)."""
+  """Base of sources that hold their rows per split in `self._splits` (name -> list of rows)."""
 
   name: str
-  _splits: dict[str, list[Task]]
+  _splits: dict[str, list[TaskRow]]
 
-  def split(self, name: str) -> list[Task]:
+  def split(self, name: str) -> list[TaskRow]:
     if name not in self._splits:
       raise unknown_split(self.name, name, list(self._splits))
     return list(self._splits[name])
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+  def sample(self, rng: np.random.Generator, n: int) -> list[TaskRow]:
     """n training rows drawn with replacement (deterministic given rng)."""
     train = self._splits["train"]
     return [train[i] for i in rng.integers(len(train), size=n)]
@@ -102,19 +111,19 @@ class MixedSource:
     self.seed = seed
     self.name = "+".join(names)
     self.alphabet = alphabet_of((), "".join(s.alphabet for s in sources))
-    self._splits: dict[str, list[Task]] = {}
+    self._splits: dict[str, list[TaskRow]] = {}
 
-  def split(self, name: str) -> list[Task]:
+  def split(self, name: str) -> list[TaskRow]:
     if name not in self._splits:
       rows = [t for s in self.sources for t in s.split(name)]
       order = np.random.default_rng(self.seed).permutation(len(rows))
       self._splits[name] = [rows[i] for i in order]
     return list(self._splits[name])
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+  def sample(self, rng: np.random.Generator, n: int) -> list[TaskRow]:
     """Per row a source index drawn by weight, then each source samples its rows in one call."""
     which = rng.choice(len(self.sources), size=n, p=self.weights)
-    out: list[Task | None] = [None] * n
+    out: list[TaskRow | None] = [None] * n
     for k, source in enumerate(self.sources):
       rows = np.flatnonzero(which == k)
       if rows.size:
@@ -154,7 +163,7 @@ class SkipReport:
   worst: dict[str, tuple[int, str, str]] = dataclasses.field(default_factory=dict)
   sampled: int = 0  # > 0: the split's size, of which only `rows` (evenly spaced) were checked
 
-  def add(self, task: Task, problem: RowProblem | None) -> None:
+  def add(self, task: TaskRow, problem: RowProblem | None) -> None:
     self.rows += 1
     if problem is None:
       return
@@ -213,19 +222,19 @@ class CheckedSource:
     self.skipped: dict[str, int] = {}
     self.draws = SkipReport("training draws")  # every row `sample` drew, good or bad
     self.scanned: dict[str, SkipReport] = {}  # by split, from `scan` or `split`
-    self._splits: dict[str, list[Task]] = {}
+    self._splits: dict[str, list[TaskRow]] = {}
 
   def __getattr__(self, name):  # e.g. the `add` source's `task` (demonstrations)
     return getattr(self.source, name)
 
-  def problem(self, task: Task) -> RowProblem | None:
+  def problem(self, task: TaskRow) -> RowProblem | None:
     """What is wrong with `task` (the check's answer as a `RowProblem`), or None."""
     found = self.check(task)
     if found is None:
       return None
     return RowProblem(found) if isinstance(found, str) else RowProblem(*found)
 
-  def _bad(self, task: Task, where: str, report: SkipReport | None = None) -> bool:
+  def _bad(self, task: TaskRow, where: str, report: SkipReport | None = None) -> bool:
     found = self.problem(task)
     if report is not None:
       report.add(task, found)
@@ -238,7 +247,7 @@ class CheckedSource:
     self.skipped[found.reason] = self.skipped.get(found.reason, 0) + 1
     return True
 
-  def split(self, name: str) -> list[Task]:
+  def split(self, name: str) -> list[TaskRow]:
     if name not in self._splits:
       report = SkipReport(f"{name} rows")
       self._splits[name] = [t for t in self.source.split(name)
@@ -293,7 +302,7 @@ class CheckedSource:
     hint = self.hint(SkipReport("", worst=worst)) if self.hint is not None else ""
     return f"data: {'; '.join(r.describe() for r in reports)}{': ' + hint if hint else ''}"
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Task]:
+  def sample(self, rng: np.random.Generator, n: int) -> list[TaskRow]:
     out = []
     redraws = 0
     while len(out) < n:
