@@ -20,7 +20,8 @@ from jaxrl.observe import metrics as metrics_lib
 
 from jaxrl.run import parts as parts_lib
 from jaxrl.learner import rl as rl_step_lib
-from jaxrl.run import trainer
+from jaxrl.run import loop
+from jaxrl.run.topology import Topology
 from jaxrl.recipes.default import get_config
 from jaxrl.data.sources import BadRow, CheckedSource
 from jaxrl.envs.base import Task
@@ -119,8 +120,10 @@ def _run(built, tmp_path, ckpt=None, on_batch=None, rl_step=None):
   parts, params = built
   out = metrics_lib.MetricsWriter(str(tmp_path))
   try:
-    trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
-               on_batch=on_batch, rl_step=rl_step)
+    step = loop.RLStep(*(rl_step or rl_step_lib.build_rl_step(parts, params)),
+                       on_batch=on_batch)
+    loop.rl(parts, params, Topology.of(parts),
+            loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt), step=step)
   finally:
     out.close()
   return [r for r in out.rows if r["phase"] == "rl"]
@@ -177,7 +180,7 @@ def test_skip_cap_stops_with_a_checkpoint(tmp_path):
   parts = _parts(_tiny_cfg(train__max_skipped_updates=1, rollout_kl__coef=0.1))
   on_batch = _poison({2: "logprobs", 3: "logprobs"})
   ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "ckpt"), async_save=False)
-  with pytest.raises(trainer.TrainingHalted,
+  with pytest.raises(loop.TrainingHalted,
                      match=r"2 updates were skipped .* train.max_skipped_updates=1; checkpoint "
                            r"of step 3 saved"):
     _run(parts, tmp_path, ckpt, on_batch)

@@ -292,7 +292,9 @@ def test_a_stream_that_skips_too_much_stops_training(tmp_path):
 
   from jaxrl import config as config_lib
 
-  from jaxrl.run import parts as parts_lib, trainer
+  from jaxrl.run import loop
+  from jaxrl.run import parts as parts_lib
+  from jaxrl.run.topology import Topology
 
   from jaxrl.cli import train
 
@@ -308,7 +310,7 @@ def test_a_stream_that_skips_too_much_stops_training(tmp_path):
   assert parts.source.scanned.get("train") is None and parts.source.note() is None
   out = metrics.MetricsWriter(str(tmp_path))
   with pytest.raises(Exception) as info:
-    trainer.rl(parts, params, out, metrics.Progress(stream=io.StringIO()))
+    loop.rl(parts, params, Topology.of(parts), loop.RunIO(out, metrics.Progress(stream=io.StringIO())))
   out.close()
   message = train.user_message(info.value)
   assert message is not None and "\n" not in message, info.value

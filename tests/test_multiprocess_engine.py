@@ -31,7 +31,8 @@ from jaxrl.parallel import distributed
 distributed.join("", 1, 0, 60, auto=True, env=os.environ)
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import trainer
+from jaxrl.run import loop
+from jaxrl.run.topology import Topology
 from jaxrl.recipes.default import get_config
 from jaxrl.run.parts import build_parts
 from jaxrl.pipeline import producer as producer_lib
@@ -98,7 +99,7 @@ samplers.partial_source = gated
 scheduler.Scheduler.run = placed
 out_dir = sys.argv[1] if jax.process_index() == 0 else None
 out = metrics_lib.MetricsWriter(out_dir)
-trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
+loop.rl(parts, params, Topology.of(parts), loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO())))
 out.close()
 print("SEEN " + json.dumps({"produce": seen, "engines": engines, "switches": switches,
                            "process": jax.process_index(),

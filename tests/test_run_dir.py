@@ -28,6 +28,10 @@ from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
 
 from jaxrl.run import trainer
+
+from jaxrl.run import loop
+
+from jaxrl.run.topology import Topology
 from jaxrl.run.parts import build_parts
 from jaxrl.run.run_dir import LOCK_FILE, RunDirError, RunDirLock
 from jaxrl.run.signals import Stop
@@ -176,10 +180,12 @@ def test_all_skipped_updates_stop_the_run_with_a_checkpoint(tmp_path):
   ckpt = checkpoint.Checkpointer(str(tmp_path / "ck"), async_save=False)
   out = metrics_lib.MetricsWriter(str(tmp_path))
   try:
-    with pytest.raises(trainer.TrainingHalted, match=r"the last 2 updates \(to step 3\) were all "
+    with pytest.raises(loop.TrainingHalted, match=r"the last 2 updates \(to step 3\) were all "
                        r"skipped .*train.max_consecutive_skipped=2\); checkpoint of step 3 saved"):
-      trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt,
-                 on_batch=_poison({2: "logprobs", 3: "logprobs"}))
+      loop.rl(parts, params, Topology.of(parts),
+              loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO()), ckpt=ckpt),
+              step=loop.RLStep.build(parts, params, on_batch=_poison({2: "logprobs",
+                                                                     3: "logprobs"})))
   finally:
     out.close()
   assert ckpt.latest_step() == 3

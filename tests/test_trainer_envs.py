@@ -16,7 +16,8 @@ from jaxrl import config as config_lib
 
 from jaxrl.observe import metrics as metrics_lib
 
-from jaxrl.run import trainer
+from jaxrl.run import loop
+from jaxrl.run.topology import Topology
 from jaxrl.envs import make_env
 from jaxrl.run.parts import build_parts
 
@@ -83,7 +84,8 @@ def test_failing_and_stalling_environment_never_hang_training(tmp_path):
   out = metrics_lib.MetricsWriter(str(tmp_path))
   t0 = time.monotonic()
   try:
-    trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
+    loop.rl(parts, params, Topology.of(parts),
+            loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO())))
   finally:
     out.close()
   rl = [r for r in out.rows if r["phase"] == "rl"]

@@ -16,6 +16,7 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.run import trainer, warmup_cache
+from jaxrl.run import warmup as warmup_lib
 from jaxrl.recipes.default import get_config
 from jaxrl.envs.arithmetic import Problem
 from test_profiling import tiny_cfg
@@ -222,6 +223,7 @@ distributed.join("", 1, 0, 60, auto=True, env=os.environ)
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl.run import trainer
+from jaxrl.run import warmup as warmup_lib
 from jaxrl.recipes.default import get_config
 from jaxrl.run.parts import build_parts
 
@@ -238,13 +240,13 @@ whole = lambda p: [np.asarray(x) for x in jax.tree.leaves(distributed.fetch(p))]
 text = io.StringIO()
 progress = metrics_lib.Progress(stream=text)
 out = metrics_lib.MetricsWriter(None)
-first, s1 = trainer.warmup(parts, params, out, progress)
-second, s2 = trainer.warmup(parts, params, out, progress)
+first, s1 = warmup_lib.warmup(parts, params, out, progress)
+second, s2 = warmup_lib.warmup(parts, params, out, progress)
 same = all(np.array_equal(a, b) for a, b in zip(whole(first), whole(second)))
 # One process loses its entry: both warm up again (a hit needs every process's).
 if jax.process_index() == 1:
   shutil.rmtree(cfg.sft.cache)
-third, s3 = trainer.warmup(parts, params, out, progress)
+third, s3 = warmup_lib.warmup(parts, params, out, progress)
 print("RESULT " + json.dumps({"same": same, "s1": s1, "s2": s2, "s3": s3,
                               "split": not jax.tree.leaves(first)[0].is_fully_addressable,
                               "log": text.getvalue()}), flush=True)

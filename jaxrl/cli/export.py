@@ -30,17 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import types
 
 from jaxrl.core.errors import UserError
+from jaxrl.run.run_dir import METADATA_DIR, METADATA_FILES, copy_metadata  # noqa: F401
 
-METADATA_DIR = "hf_base"
-# Everything of a Hugging Face model directory except the weights.
-METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                  "chat_template.json", "added_tokens.json")
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's names of a causal LM's weights: `PeftModelForCausalLM.base_model` (the LoRA model) ->
@@ -51,18 +46,6 @@ PEFT_PREFIX = "base_model.model."
 class ExportError(UserError, ValueError):
   """An export the run cannot give (e.g. `--adapter` of a run without LoRA); the message says
   why and what to do instead."""
-
-
-def copy_metadata(src: str, dst: str) -> list[str]:
-  """Copies the metadata files present in `src` to `dst`; returns their names."""
-  os.makedirs(dst, exist_ok=True)
-  copied = []
-  for name in METADATA_FILES:
-    path = os.path.join(src, name)
-    if os.path.isfile(path):
-      shutil.copyfile(path, os.path.join(dst, name))
-      copied.append(name)
-  return copied
 
 
 def read_run(run_dir: str):

@@ -82,9 +82,11 @@ def user_message(e: BaseException) -> str | None:
   if isinstance(e, UserError):
     return f"jaxrl: {e}"
   # A user error on the rollout thread (a bad row, too many rows skipped) reaches the trainer
-  # as the pipeline's WorkerFailed, caused by it (the module is loaded if one can have been).
-  gate = sys.modules.get("jaxrl.pipeline.gate")
-  if gate is not None and isinstance(e, gate.WorkerFailed) and isinstance(e.__cause__, UserError):
+  # as the pipeline's WorkerFailed, caused by it (imported here: a bad flag's message comes
+  # before jax is imported).
+  from jaxrl.pipeline.gate import WorkerFailed
+
+  if isinstance(e, WorkerFailed) and isinstance(e.__cause__, UserError):
     return user_message(e.__cause__)
   if isinstance(e, _USER_OS_ERRORS) or (isinstance(e, OSError) and e.errno in _USER_ERRNOS):
     return f"jaxrl: {_os_error_text(e)}"
@@ -224,7 +226,10 @@ def main(argv: list[str]) -> None:
 
   from jaxrl.runtime import compile_cache
 
-  from jaxrl.run import trainer
+  from jaxrl.run import rollout_process, trainer
+  from jaxrl.run.loop import TrainingHalted
+  from jaxrl.run.signals import Stop
+  from jaxrl.run.topology import Topology
 
   try:
     compile_cache.enable(cfg.compile_cache)  # before the first compilation
@@ -232,15 +237,17 @@ def main(argv: list[str]) -> None:
     sys.exit(f"jaxrl: config.compile_cache: {_os_error_text(e)}")
   run_dir = cfg.run_dir or config_lib.default_run_dir(cfg.name, time.strftime("%Y%m%d-%H%M%S"))
   # SIGTERM (preemption) and SIGINT (Ctrl-C): checkpoint after the current step, exit 0.
-  stop = trainer.Stop()
+  stop = Stop()
   signal.signal(signal.SIGTERM, stop.handler)
   signal.signal(signal.SIGINT, stop.handler)
   from jaxrl.parallel import peers
 
   try:
-    trainer.run(cfg, run_dir, mesh_shape, stop=stop, started=STARTED)
+    # A rollout process of a run disaggregated across processes has an entry of its own.
+    entry = rollout_process.run if Topology.build(mesh_shape).generates_only else trainer.run
+    entry(cfg, run_dir, mesh_shape, stop=stop, started=STARTED)
   except BaseException as e:
-    message = f"jaxrl: stopped: {e}" if isinstance(e, trainer.TrainingHalted) else \
+    message = f"jaxrl: stopped: {e}" if isinstance(e, TrainingHalted) else \
         None if debug else user_message(e)
     if peers.WATCH is not None and not isinstance(e, SystemExit):
       _leave(message, e)

@@ -1,1 +1,1 @@
-"""The pure jitted train step, its optimizer, the RL step's config and the distillation teacher."""
+"""The pure jitted train step, its optimizer and the RL step's config."""

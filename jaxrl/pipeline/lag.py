@@ -45,14 +45,18 @@ class LagPipeline:
 
   def __init__(self, producer, lag: int, *, stall_timeout_s: float = 600.0,
                inline: bool = False, prepare: Callable | None = None,
-               handoff: ParamsHandoff | None = None, name: str = "rollout-worker"):
+               handoff: ParamsHandoff | None = None, name: str = "rollout-worker",
+               publisher: Callable | None = None):
     """`producer`: see the module docstring (a bare `produce` callable works without
     checkpoints). An item with a `counts` mapping adds it to the cumulative counters of
     `stats()` when delivered. `inline`: produce in the caller's thread just before each pull
     (same batches, versions and staleness; no overlap). `prepare(params)`: what is published for
     `params` (a copy the train step cannot donate, or a reshard onto the rollout mesh); default
-    as given. `handoff`: the params handoff to publish to, when the producer was built reading
-    it (partial rollouts read `handoff.latest`); default a new one."""
+    as given. `publisher(version, params)`: the same with the version (`jaxrl.run.topology`'s
+    publishers; it replaces `prepare`). `handoff`: the params handoff to publish to, when the
+    producer was built reading it (partial rollouts read `handoff.latest`); default a new one.
+    A producer with `bind_stop(should_stop)` is given the worker's stop test, which its waits
+    poll (a producer that waits on other processes)."""
     self.producer = producer
     make = getattr(producer, "produce", producer)
 
@@ -66,9 +70,12 @@ class LagPipeline:
     self.gate = LagGate(lag, stall_timeout_s)
     self.handoff = handoff or ParamsHandoff()
     self.inline = inline
-    self.prepare = prepare or (lambda params: params)
+    prepare = prepare or (lambda params: params)
+    self.publisher = publisher or (lambda version, params: prepare(params))
     self.worker = InlineWorker(self.gate, self.handoff, produce, lag) if inline else \
         RolloutWorker(self.gate, self.handoff, produce, lag, name=name)
+    if hasattr(producer, "bind_stop"):
+      producer.bind_stop(self.worker.should_stop)
     self._globalized: dict[int, object] = {}  # by batch id: made global before their pull
 
   # ---- running -------------------------------------------------------------------------------
@@ -85,8 +92,8 @@ class LagPipeline:
     self.worker.stop()
 
   def publish(self, version: int, params):
-    """Publishes `prepare(params)` as `version`; returns what was published."""
-    published = self.prepare(params)
+    """Publishes `publisher(version, params)` as `version`; returns what was published."""
+    published = self.publisher(version, params)
     self.handoff.publish(version, published)
     return published
 
@@ -113,6 +120,10 @@ class LagPipeline:
       for name, n in (getattr(out, "counts", None) or {}).items():
         self.gate.add(name, n)
     return out
+
+  def next_batch(self) -> int:
+    """The first batch not yet submitted (after a restore: the first the ring does not hold)."""
+    return self.gate.checkpoint_state()["submitted"]
 
   def newest(self) -> tuple[int, object] | None:
     """The newest published `(version, params)`: the source of partial rollouts."""

@@ -34,10 +34,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.runtime import checkpoint
+from jaxrl.runtime.checkpoint import from_json_num, json_num
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl import parallel
-from jaxrl.run.loop_state import from_json_num, json_num
 from jaxrl.pipeline import dynamic_sampling
 from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch

@@ -11,16 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-
-def json_num(x):
-  """Numbers for a checkpoint's JSON: floats as repr strings (exact, NaN-safe), ints as is."""
-  return repr(float(x)) if isinstance(x, (float, np.floating)) else int(x)
-
-
-def from_json_num(x):
-  return float(x) if isinstance(x, str) else x
+from jaxrl.runtime.checkpoint import from_json_num, json_num
 
 
 @dataclasses.dataclass
@@ -32,6 +23,23 @@ class LoopState:
   metrics_lines: int = 0  # lines in metrics.jsonl when saved
   warmup: dict = dataclasses.field(default_factory=dict)  # the warm-up's summary
   config: dict = dataclasses.field(default_factory=dict)  # the config keys the state depends on
+
+  def count_skipped(self, skipped: int) -> None:
+    """Counts an update skipped (1) or applied (0) for non-finite gradients."""
+    self.skipped_updates += skipped
+    self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+
+  def halt_reason(self, t) -> str | None:
+    """Why the run must stop after this step by `train.max_skipped_updates` or
+    `train.max_consecutive_skipped` (`t`: the config's `train` section), or None."""
+    if t.max_skipped_updates and self.skipped_updates > t.max_skipped_updates:
+      return (f"{self.skipped_updates} updates were skipped for non-finite gradients, more "
+              f"than train.max_skipped_updates={t.max_skipped_updates}")
+    if t.max_consecutive_skipped and self.consecutive_skipped >= t.max_consecutive_skipped:
+      return (f"the last {self.consecutive_skipped} updates (to step {self.step}) were all "
+              f"skipped for non-finite gradients (train.max_consecutive_skipped="
+              f"{t.max_consecutive_skipped})")
+    return None
 
   def save(self, ckpt, train_state, pipeline) -> None:
     """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline."""

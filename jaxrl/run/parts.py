@@ -25,46 +25,21 @@ from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
 from jaxrl import parallel
-from jaxrl.learner import teacher as teacher_lib
 from jaxrl.data import left_pad
-from jaxrl.data.sources import CheckedSource, MixedSource, RowProblem, SkipReport
-from jaxrl.data.tokenizer import CharTokenizer
-from jaxrl.envs import make_env, make_source
+from jaxrl.data.sources import CheckedSource, RowProblem, SkipReport
+from jaxrl.envs import make_env
 from jaxrl.models import ModelConfig, abstract_model, init_model
 from jaxrl.models import hf as hf_lib
 from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,
                                      rollout_model)
-from jaxrl.pipeline.remote import sides as remote_sides
+from jaxrl.parallel.topology import sides as remote_sides
 from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.learner.step import shard_params
+from jaxrl.run import teacher as teacher_lib
+from jaxrl.run.inputs import make_tokenizer, task_source  # noqa: F401  (re-exported)
 from jaxrl.core.types import TrainBatch
-
-
-def task_source(cfg):
-  """The task source of `task.name`: one registered task, or several joined by "+" mixed per
-  row (a source drawn per training row with `task.weights`; evaluation covers every task)."""
-  names = cfg.task.name.split("+")
-  if len(names) == 1:
-    return make_source(names[0], cfg)
-  # One weight per task is checked by config.validate.
-  weights = [float(w) for w in cfg.task.weights.split(",")] if cfg.task.weights else None
-  return MixedSource([make_source(n, cfg) for n in names], weights, seed=cfg.seed)
-
-
-def make_tokenizer(cfg, source):
-  """The model's own tokenizer with `model.hf_path`, else a character tokenizer over the task's
-  alphabet (the built-in tasks say which characters their text can hold)."""
-  if cfg.model.hf_path:
-    from jaxrl.data.hf_tokenizer import HFTokenizer, HFTokenizerError
-    try:
-      return HFTokenizer.from_dir(cfg.model.hf_path,
-                                  use_chat_template=cfg.tokenizer.chat_template,
-                                  system_prompt=cfg.tokenizer.system_prompt or None)
-    except HFTokenizerError as e:  # names the file and the field
-      raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
-  return CharTokenizer(source.alphabet)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -25,6 +26,27 @@ LOCK_FILE = ".jaxrl.lock"
 # metrics sinks of jaxrl.observe.sinks).
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
              "hf_base", "tensorboard", "wandb")
+
+
+# A run started from a Hugging Face model keeps that model's files besides the weights here
+# (`python -m jaxrl.export` writes them next to the exported weights).
+METADATA_DIR = "hf_base"
+# Everything of a Hugging Face model directory except the weights.
+METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "chat_template.json", "added_tokens.json")
+
+
+def copy_metadata(src: str, dst: str) -> list[str]:
+  """Copies the metadata files present in `src` to `dst`; returns their names."""
+  os.makedirs(dst, exist_ok=True)
+  copied = []
+  for name in METADATA_FILES:
+    path = os.path.join(src, name)
+    if os.path.isfile(path):
+      shutil.copyfile(path, os.path.join(dst, name))
+      copied.append(name)
+  return copied
 
 
 class RunDirError(UserError):

@@ -410,3 +410,13 @@ def _check_json(x, where: str) -> None:
     return
   raise ValueError(f"{where} is a {type(x).__name__}, which does not round-trip through JSON "
                    "(use lists, dicts with str keys, str, int, float, bool, None)")
+
+
+def json_num(x):
+  """Numbers for a checkpoint's JSON: floats as repr strings (exact, NaN-safe), ints as is."""
+  return repr(float(x)) if isinstance(x, (float, np.floating)) else int(x)
+
+
+def from_json_num(x):
+  """The number `json_num` wrote."""
+  return float(x) if isinstance(x, str) else x

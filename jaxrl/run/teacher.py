@@ -24,6 +24,8 @@ from jaxrl import config as config_lib
 from jaxrl import parallel
 from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import hf as hf_lib
+from jaxrl.recipes import default as default_config
+from jaxrl.run.inputs import make_tokenizer, task_source
 
 KEY = f"{config_lib.PREFIX}distill.teacher"
 
@@ -61,9 +63,6 @@ def load(cfg: ConfigDict, student_tok, student_vocab: int, mesh) -> Teacher:
           f"({student_vocab}); distillation needs the same tokenizer"])
     graphdef, _ = abstract_model(model_cfg)
     return Teacher(graphdef, params, model_cfg, f"{path} (Hugging Face)")
-
-  from jaxrl.recipes import default as default_config
-  from jaxrl.run.parts import make_tokenizer, task_source
 
   with open(os.path.join(path, "config.json")) as f:
     saved = ConfigDict(config_lib.merge_saved(default_config.get_config().to_dict(),

@@ -1,0 +1,240 @@
+"""Where a run's rollouts are generated and how each params version reaches them: one `Topology`,
+built once from the validated `MeshShape`, and one `Publisher` per run.
+
+Three layouts, one value each (never a branch in the loop):
+
+- **colocated** (`mesh.rollout = 0`): the samplers generate on the train mesh; on one process the
+  rollout worker is a thread beside the trainer;
+- **devices** (`mesh.rollout > 0`, one process): the samplers generate on devices of their own in
+  the same process (`Parts.rollout_mesh`); a version crosses as a reshard;
+- **processes** (`mesh.rollout_processes`): whole processes generate (`jaxrl.run.rollout_process`)
+  and the train processes receive their rows (`jaxrl.pipeline.remote`).
+
+On several processes a colocated run makes each process's share of every batch on its own devices
+(`ProcessShare`) when the train mesh's row shards allow it, else the whole batch inline on the
+trainer thread (the same batches and staleness, without overlap).
+
+`Topology.feed(parts, handoff)` gives the loop what it runs the lag pipeline with (`Feed`): the
+producer, whether it runs inline, and the `Publisher`, which turns the train state's params of
+version v into what the samplers read. Every publisher makes new buffers (the train step donates
+its own): a cast or copy colocated, a reshard onto the rollout devices, each process's own copy,
+or the exchange with the rollout processes. LoRA's adapter-only sync (`AdapterPublisher`) wraps
+the in-process publishers: the frozen base moves once, then only the adapters; across processes
+the exchange itself does the same (`remote.Versions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from jaxrl import parallel
+from jaxrl.config import MeshShape
+from jaxrl.learner.rl import lora_model
+from jaxrl.models import lora as lora_lib
+from jaxrl.parallel import topology as devices_lib
+from jaxrl.pipeline import ParamsHandoff, remote
+from jaxrl.pipeline.producer import RolloutProducer, process_share
+from jaxrl.rollout.precision import rollout_dtype
+from jaxrl.runtime import mirror
+
+
+class Publisher(Protocol):
+  """Publishes params version v: `publish(v, params)` returns what the samplers read (None when
+  it went to another process). `start(first_batch)` is called once the loop knows where it starts
+  (after a restore); `close()` when it ends, whether or not it failed."""
+
+  def __call__(self, version: int, params): ...
+
+  def start(self, first_batch: int) -> None: ...
+
+  def close(self) -> None: ...
+
+
+class _InProcess:
+  """Shared by the publishers whose samplers run in this process."""
+
+  def start(self, first_batch: int) -> None:
+    del first_batch
+
+  def close(self) -> None:
+    pass
+
+
+class LocalPublisher(_InProcess):
+  """The samplers' copy in this process: a cast (or copy) on the train mesh when colocated, a
+  reshard onto the rollout devices when they are others (`Parts.rollout_copy`)."""
+
+  def __init__(self, parts):
+    self.parts = parts
+
+  def place(self, tree):
+    return self.parts.rollout_place(tree)
+
+  def __call__(self, version: int, params):
+    del version
+    return self.parts.rollout_copy(params)
+
+
+class ProcessPublisher(_InProcess):
+  """Each process's copy on its own devices (`ProcessShare.publish`): a global program, which the
+  trainer thread launches at the same point on every process."""
+
+  def __init__(self, parts, share):
+    self.parts, self.share = parts, share
+
+  def place(self, tree):
+    return self.parts.rollout_place(tree, self.share)
+
+  def __call__(self, version: int, params):
+    del version
+    return self.share.publish(params)
+
+
+class AdapterPublisher(_InProcess):
+  """LoRA around an in-process publisher: the samplers run the base with the adapters merged into
+  its weights; the base moves once (again only if the train state's base is another object), then
+  each version moves the adapters alone (`lora.AdapterSync`)."""
+
+  def __init__(self, inner, lora, dtype):
+    self.inner = inner
+    self.sync = lora_lib.AdapterSync(lora, inner.place, dtype)
+
+  def __call__(self, version: int, params):
+    del version
+    return self.sync(params)
+
+
+class RemotePublisher:
+  """To the rollout processes (`remote.Sender`): every version they will ask for crosses in the
+  one program both sides launch; nothing is published in this process."""
+
+  def __init__(self, sender: remote.Sender, receiver: remote.Receiver, steps: int, lag: int):
+    self.sender, self.receiver, self.steps, self.lag = sender, receiver, steps, lag
+
+  def __call__(self, version: int, params):
+    self.sender(version, params)
+    return None
+
+  def start(self, first_batch: int) -> None:
+    """Tells the rollout processes which batches to make, from the producer state a restore
+    gave the receiver (None: from the start)."""
+    self.sender.start(first_batch, remote.horizon(self.steps, self.lag), self.lag,
+                      self.receiver.remote_state)
+
+  def close(self) -> None:
+    self.sender.done()
+
+
+@dataclasses.dataclass
+class Feed:
+  """What the loop runs its lag pipeline with (`Topology.feed`)."""
+  producer: object  # `RolloutProducer`, or `remote.Receiver` across processes
+  publisher: Publisher
+  inline: bool  # produce on the trainer thread just before each pull
+  # Evaluation generates with the train params (merged with their adapters) instead of the
+  # published copy: on several processes evaluation is a global program on the train mesh.
+  eval_on_train: bool
+  asynchronous_eval: bool  # evaluation may run on a thread (one process only)
+  lora: object = None  # the LoRA model config, or None
+
+  def eval_params(self, published, train_params):
+    """The params an evaluation pass of this version generates with."""
+    if not self.eval_on_train:
+      return published
+    return train_params if self.lora is None else lora_lib.merge(self.lora, train_params)
+
+  def stop(self, asked):
+    """The loop's stop test: `asked()` (a signal here), or a signal that reached a rollout
+    process, which says so on the channel."""
+    if isinstance(self.producer, remote.Receiver):
+      channel = self.producer.channel
+      return lambda: asked() or channel.has("stop")
+    return asked
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """This process's place in the run (see the module docstring)."""
+  mesh_shape: MeshShape | None  # None: one process, laid out by its parts (`of`)
+  kind: str  # "colocated" | "devices" | "processes"
+  generates_only: bool = False  # a rollout process of a run disaggregated across processes
+
+  @classmethod
+  def of(cls, parts) -> "Topology":
+    """The topology of a one-process run as its parts lay it out (tests, tools)."""
+    return cls(None, "colocated" if parts.rollout_mesh is parts.mesh else "devices")
+
+  @classmethod
+  def build(cls, mesh_shape: MeshShape) -> "Topology":
+    if mesh_shape.rollout_processes:
+      return cls(mesh_shape, "processes",
+                 jax.process_index() in mesh_shape.rollout_processes)
+    return cls(mesh_shape, "devices" if mesh_shape.disaggregated else "colocated")
+
+  @property
+  def across(self) -> bool:
+    return self.kind == "processes"
+
+  def begin(self) -> None:
+    """Every process, before anything else of the run: across processes, the collectives and
+    files of the run are the train processes' alone, and the run's messages start afresh."""
+    if self.across:
+      parallel.distributed.set_group(devices_lib.train_processes(self.mesh_shape))
+      remote.new_run()
+
+  def checkpointer(self, ckpt, main: bool):
+    """The train side's checkpointer: across processes every checkpoint also runs on the rollout
+    processes (`jaxrl.runtime.mirror`), which hold none of the state."""
+    if not self.across:
+      return ckpt
+    return mirror.MirroredCheckpointer(ckpt, remote.run_channel(), self.union(), main,
+                                       len(self.mesh_shape.rollout_processes))
+
+  def union(self):
+    """The mesh of both sides every checkpoint runs over (across processes)."""
+    mirror.use_first_replica_writes()
+    return mirror.union_mesh(devices_lib.train_mesh(self.mesh_shape),
+                             devices_lib.rollout_groups(self.mesh_shape))
+
+  def feed(self, parts, params, handoff: ParamsHandoff, main: bool) -> Feed:
+    """The producer and publisher of the training side of a run; `params` the base model's
+    (their shapes size the exchange across processes); `handoff` the lag pipeline's, which
+    partial rollouts read the newest version from."""
+    r, lora = parts.cfg.rollout, lora_model(parts)
+    newest = handoff.latest if r.partial_rollouts else None
+    single = jax.process_count() == 1
+    if self.across:
+      versions = remote.Versions(parts, self.mesh_shape, params)
+      sender = remote.Sender(versions, remote.run_channel(), main)
+      producer = remote.Receiver(parts, sender.channel, versions.K)
+      return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
+                  inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora)
+    share = process_share(parts)
+    producer = RolloutProducer(parts, parts.train_loop(newest, share and share.mesh), share)
+    publisher = LocalPublisher(parts) if share is None else ProcessPublisher(parts, share)
+    if lora is not None:
+      publisher = AdapterPublisher(publisher, lora, rollout_dtype(parts.cfg))
+    return Feed(producer, publisher, inline=not single and share is None,
+                eval_on_train=not single, asynchronous_eval=single, lora=lora)
+
+  def describe(self, parts, feed: Feed | None = None) -> str | None:
+    """One line on where rollouts run, or None when colocated."""
+    shape = "x".join(map(str, parts.rollout_mesh.devices.shape))
+    if self.kind == "devices":
+      first, n = parts.mesh.devices.size, parts.rollout_mesh.devices.size
+      return (f"disaggregated: train on devices 0-{first - 1}, rollouts on devices {first}-"
+              f"{first + n - 1} (mesh {shape})")
+    if self.kind != "processes" or feed is None:
+      return None
+    m, versions = self.mesh_shape, feed.publisher.sender.versions
+    shape = "x".join(map(str, m.rollout_shape))
+    crossing = f"{versions.bytes_per_version:,} bytes per params version"
+    if versions.lora is not None:
+      crossing = (f"the base once ({versions.base_bytes:,} bytes), then the adapters "
+                  f"({versions.bytes_per_version:,} bytes per version)")
+    return (f"disaggregated across processes: processes {list(m.rollout_processes)} generate on "
+            f"their {m.rollout_devices} devices (a {shape} mesh each), processes "
+            f"{list(devices_lib.train_processes(m))} train on {m.train_devices}; {crossing}")
