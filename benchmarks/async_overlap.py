@@ -1,6 +1,6 @@
 """Forced lag overlaps generation with training: RL steps/s at lag 0 and lag 1.
 
-The default recipe's RL loop (`jaxrl.run.trainer.rl`: worker thread, lag gate, train step) on the
+The default recipe's RL loop (`jaxrl.run.driver.rl`: worker thread, lag gate, train step) on the
 default model, without the supervised warm-up, with a reward function that takes a fixed time per
 batch (as an LLM judge or a code sandbox would). By default that time is the trainer's share of
 a lag-0 step measured first without a delay (step time minus sampling time: the train step and
@@ -15,7 +15,7 @@ measured as on one process, `perf/sample_time_s` being the slowest process's). P
 reports.
 
 `--processes N --rollout-processes 0` runs it disaggregated across processes
-(`mesh.rollout_processes`, through `jaxrl.run.trainer.run` in a temporary run directory): process 0
+(`mesh.rollout_processes`, through `jaxrl.run.driver.run` in a temporary run directory): process 0
 generates and scores (sleeping the whole delay per batch), the others train; at lag 1 process 0
 makes batch t+1 while step t trains. The first train process reports.
 
@@ -49,7 +49,9 @@ import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import trainer
+from jaxrl.run import driver
+from jaxrl.run import loop
+from jaxrl.run.topology import Topology
 from jaxrl.run.parts import build_parts
 from jaxrl.recipes.default import get_config
 
@@ -89,7 +91,8 @@ def run(lag: int, steps: int, delay: float, skip: int, rollout: str = "",
   with tempfile.TemporaryDirectory() as d:
     out = metrics_lib.MetricsWriter(d)
     try:
-      trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
+      loop.rl(parts, params, Topology.of(parts),
+              loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO())))
     finally:
       out.close()
     rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]
@@ -114,7 +117,7 @@ def run_disaggregated(cfg, rollout: str, delay: float, skip: int, run_root: str)
 
   AddEnvironment.step = slow_step
   try:
-    trainer.run(cfg, cfg.run_dir, mesh)
+    driver.run(cfg, cfg.run_dir, mesh)
   finally:
     AddEnvironment.step = score
   if jax.process_index() != REPORTER[0]:

@@ -2,7 +2,7 @@
 
 A resource that grows per step (host buffers, data-plane rows, published params, threads) is
 invisible in a 20-step benchmark and fatal in a 10k-step run, so this runs the default recipe's
-RL loop (`jaxrl.run.trainer.rl`: rollout worker, lag gate, train step, asynchronous validation) for
+RL loop (`jaxrl.run.driver.rl`: rollout worker, lag gate, train step, asynchronous validation) for
 `--steps` steps on a tiny model (d_model 32, head_dim 16, SwiGLU 64, 2 layers; no supervised
 warm-up), `rollout.lag = 2`, `rollout.num_prompts = 8`, a validation pass of 64 prompts every 25
 steps (on its own thread, alongside training), and watches the process two ways: a daemon
@@ -59,7 +59,8 @@ import jax
 
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import trainer
+from jaxrl.run import loop
+from jaxrl.run.topology import Topology
 from jaxrl.run.parts import build_parts
 from jaxrl.recipes.default import get_config
 
@@ -257,7 +258,8 @@ def main():
     out = Writer(d, sampler, parts, args.warmup_steps, args.steps)
     try:
       with sampler:
-        _, summary = trainer.rl(parts, params, out, metrics_lib.Progress(stream=io.StringIO()))
+        _, summary = loop.rl(parts, params, Topology.of(parts),
+                             loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO())))
     finally:
       out.close()
   gc.collect()

@@ -86,7 +86,7 @@ MODEL = dict(vocab_size=16, hidden_size=128, intermediate_size=512, num_hidden_l
 GRPO = dict(prompts=8, group_size=8, max_new_tokens=16, temperature=1.0, epsilon=0.2, lr=1e-3,
             betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0, adv_eps=1e-4)
 MAX_PROMPT_TOKENS = 1 + len("99+99=")  # <bos> and the longest prompt: jaxrl's fixed prompt width
-FIRST_STEP_LINE = "first RL step done"  # printed by both sides (jaxrl.run.trainer; the TRL worker)
+FIRST_STEP_LINE = "first RL step done"  # printed by both sides (jaxrl.run.driver; the TRL worker)
 STEP_WINDOW = (2, 20)  # steps whose median is the per-step time (step 1 compiles / warms up)
 # Steps after it: completions have shortened by then, which TRL's padded-to-the-longest shapes
 # follow and jaxrl's fixed shapes do not.

@@ -14,7 +14,7 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.cli import evaluate
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.recipes.default import get_config
 
 from test_profiling import tiny_cfg
@@ -63,7 +63,7 @@ def test_evaluating_a_checkpoint_reproduces_the_runs_validation(tmp_path, capsys
   cfg = tiny_cfg(run_dir, task__num_digits=1, sft__enabled=True, sft__max_steps=150,
                  sft__eval_every=25, sft__learning_rate=1e-2, sft__stop_accuracy=0.2,
                  train__steps=2, val__every=1, checkpoint__every=1)
-  trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
+  driver.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   val = {r["step"]: r for r in rows if r["phase"] == "val"}
   assert sorted(val) == [1, 2]

@@ -25,7 +25,7 @@ pytest.importorskip("jinja2")
 from hf_fixtures import llama_files, qwen_files  # noqa: E402  (tests/ is on sys.path)
 from jaxrl import config as config_lib  # noqa: E402
 from jaxrl.cli import export
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.recipes import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E402
                            qwen2_5_0_5b_gsm8k, qwen2_5_0_5b_gsm8k_lora)
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -92,7 +92,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
   cfg = _recipe(model_dir, _jsonl(tmp_path), run_dir, family)
   mesh = config_lib.validate(cfg, jax.device_count())
   assert (mesh.data, mesh.fsdp, mesh.tensor) == (1, 8, 1)
-  summary = trainer.run(cfg, str(run_dir), mesh)
+  summary = driver.run(cfg, str(run_dir), mesh)
 
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if r["phase"] == "rl"]
@@ -194,7 +194,7 @@ def test_a_hugging_face_teacher_distils_and_a_foreign_one_is_refused(tmp_path):
   cfg.train.steps = 2
   cfg.val.every, cfg.checkpoint.every = 2, 2
   mesh = config_lib.validate(cfg, jax.device_count())
-  trainer.run(cfg, str(run_dir), mesh)
+  driver.run(cfg, str(run_dir), mesh)
   rl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
         if json.loads(line)["phase"] == "rl"]
   assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) for r in rl)

@@ -17,8 +17,8 @@ from conftest import tiny_model_config
 from jaxrl import config as config_lib
 from jaxrl.runtime import checkpoint
 from jaxrl import parallel
-from jaxrl.run import trainer
-from jaxrl.run import run_dir as run_dir_lib
+from jaxrl.run import driver
+from jaxrl.run import directory as run_dir_lib
 from jaxrl.recipes.default import get_config
 from jaxrl.models import KVCache, abstract_model, init_model, left_positions
 from jaxrl.models import lora
@@ -259,7 +259,7 @@ def test_a_tiny_lora_run_reports_counts_and_checkpoints_the_frozen_base(tmp_path
   cfg.model.lora.rank = 4
   cfg.checkpoint.every = 2
   run_dir = tmp_path / "run"
-  summary = trainer.run(cfg, str(run_dir), config_lib.validate(cfg, 1))
+  summary = driver.run(cfg, str(run_dir), config_lib.validate(cfg, 1))
   assert summary["rl/steps"] == 4
   # Per layer, sum over targets of (din + dout) x rank: q 32+64, k 32+32, v 32+32, o 64+32,
   # gate 32+64, up 32+64, down 64+32 = 608; x 4 x 2 layers = 4,864; Adam: 2 x that + its count.

@@ -431,7 +431,7 @@ def test_peft_adapter_and_merged_export_match_jaxrl_logits(tmp_path, family, cap
 @pytest.mark.slow
 def test_lora_recipe_run_exports_adapter_and_merged_model(tmp_path, capsys):
   from test_hf_recipe import _jsonl, _model_dir  # tests/ is on sys.path
-  from jaxrl.run import trainer
+  from jaxrl.run import driver
 
   model_dir, _ = _model_dir(tmp_path, "qwen2")
   run_dir = tmp_path / "run"
@@ -449,7 +449,7 @@ def test_lora_recipe_run_exports_adapter_and_merged_model(tmp_path, capsys):
       # Every reward of a random model is 0: an entropy bonus gives the updates a gradient.
       "--config.loss.entropy_coef=0.01"], problems)
   assert not problems, problems
-  trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
+  driver.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
 
   _, _, lora_cfg, step, adapters, base, _ = export.restore_lora(str(run_dir))
   assert step == 3 and lora_cfg.lora_rank == 4 and lora_cfg.lora_targets == TARGETS

@@ -114,7 +114,7 @@ def test_recipe_kv_cache_drops_by_the_data_factor_on_an_8_device_rollout_mesh(de
   rollout mesh each device holds 64 rows: 604,028,928 (0.56 GiB), 1/8. A (4, 1, 2) mesh splits
   rows by 4 and the 2 kv heads by 2: the keys and values by 8 again, the mask by 4.
   """
-  from jaxrl.config.recipe import load_recipe
+  from jaxrl.config.loader import load_recipe
   recipe = mp.recipe_defaults(load_recipe(str(_PATH.parents[1] / "configs" /
                                               "qwen2_5_0_5b_gsm8k.py")), 8)
   assert recipe["mesh"] == "1,8,1"  # fsdp over every device, colocated

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl import config as config_lib
 from jaxrl.observe import profiling
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.recipes.default import get_config
 from jaxrl.models import ModelConfig
 
@@ -113,7 +113,7 @@ def test_profiler_traces_its_window_only(tmp_path):
 def test_run_writes_its_trace_and_a_time_breakdown_per_step(tmp_path):
   run_dir = tmp_path / "run"
   cfg = tiny_cfg(run_dir, profile__steps="2:3", profile__peak_flops=1e12)
-  trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
+  driver.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
   files = _trace_files(run_dir / "profile")
   for suffix in (".xplane.pb", "perfetto_trace.json.gz"):  # TensorBoard / Perfetto
     hits = [f for f in files if f.endswith(suffix)]

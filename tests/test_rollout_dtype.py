@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from jaxrl import config as config_lib
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.recipes.default import get_config
 from jaxrl.data import left_pad
 from jaxrl.run.validation import evaluate
@@ -151,7 +151,7 @@ def _run_mismatch(tmp_path, dtype) -> list[float]:
   cfg = _cfg(dtype, sft__enabled=False, train__steps=2, val__at_start=False,
              val__at_end=dtype == "bfloat16", val__every=100)
   cfg.run_dir = str(run_dir)
-  trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
+  driver.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()))
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if r["phase"] == "rl"]
   assert [r["step"] for r in rl] == [1, 2]

@@ -27,13 +27,13 @@ from jaxrl import config as config_lib
 
 from jaxrl.observe import metrics as metrics_lib
 
-from jaxrl.run import trainer
+from jaxrl.run import driver
 
 from jaxrl.run import loop
 
 from jaxrl.run.topology import Topology
 from jaxrl.run.parts import build_parts
-from jaxrl.run.run_dir import LOCK_FILE, RunDirError, RunDirLock
+from jaxrl.run.directory import LOCK_FILE, RunDirError, RunDirLock
 from jaxrl.run.signals import Stop
 
 from test_bad_input import _poison, _tiny_cfg
@@ -49,7 +49,7 @@ def _cfg(**over):
 
 def _run(run_dir, stop=None, **over):
   cfg = _cfg(**over)
-  return trainer.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()), stop=stop)
+  return driver.run(cfg, str(run_dir), config_lib.validate(cfg, jax.device_count()), stop=stop)
 
 
 def _rows(run_dir, phase=None):

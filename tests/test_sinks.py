@@ -27,7 +27,7 @@ from jaxrl import config as config_lib
 
 from jaxrl.observe import metrics as metrics_lib, sinks
 
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.recipes.default import get_config
 
 pytest.importorskip("tensorboardX")
@@ -207,7 +207,7 @@ def _cfg(run_dir, **over):
 
 
 def _run(cfg):
-  return trainer.run(cfg, cfg.run_dir, config_lib.validate(cfg, jax.device_count()))
+  return driver.run(cfg, cfg.run_dir, config_lib.validate(cfg, jax.device_count()))
 
 
 class _Broken:

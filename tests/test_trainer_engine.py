@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl import config as config_lib
 
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.run.parts import build_parts
 
 from test_bad_input import _tiny_cfg
@@ -25,7 +25,7 @@ def _run(tmp_path, engine):
                   rollout__max_total_tokens=24, val__at_end=True)
   mesh = config_lib.validate(cfg, jax.device_count())
   run_dir = tmp_path / engine
-  trainer.run(cfg, str(run_dir), mesh)
+  driver.run(cfg, str(run_dir), mesh)
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   return [r for r in rows if r["phase"] == "rl"], [r for r in rows if r["phase"] == "val"]
 
@@ -81,7 +81,7 @@ def test_partial_rollouts_keep_the_forced_lag_for_first_tokens(tmp_path):
                   rollout__partial_rollouts=True, rollout__lag=1, train__steps=4)
   mesh = config_lib.validate(cfg, jax.device_count())
   run_dir = tmp_path / "partial"
-  trainer.run(cfg, str(run_dir), mesh)
+  driver.run(cfg, str(run_dir), mesh)
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if r["phase"] == "rl"]
   assert [r["batch_id"] for r in rl] == list(range(4))

@@ -1,4 +1,4 @@
-"""The warm-up cache (`jaxrl.run.warmup_cache`, `sft.cache`): where it lives, what its key covers, that
+"""The warm-up cache (`jaxrl.run.warmup`, `sft.cache`): where it lives, what its key covers, that
 an entry round-trips exactly and a bad one is a miss, and that a second run loads the warm-up and
 then runs exactly the run it would have run."""
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl.run import trainer, warmup_cache
-from jaxrl.run import warmup as warmup_lib
+from jaxrl.run import driver
+from jaxrl.run import warmup as warmup_cache
 from jaxrl.recipes.default import get_config
 from jaxrl.envs.arithmetic import Problem
 from test_profiling import tiny_cfg
@@ -169,11 +169,11 @@ def _rows(run_dir):
 def test_second_run_loads_the_warm_up_and_runs_the_same_run(tmp_path, capsys):
   cache = str(tmp_path / "cache")
   first = _cfg(tmp_path / "a", cache)
-  s1 = trainer.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
+  s1 = driver.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
   assert "warm-up: cached in" in capsys.readouterr().out
   assert len(os.listdir(cache)) == 1 and "sft/from_cache" not in s1
   second = _cfg(tmp_path / "b", cache)
-  s2 = trainer.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
+  s2 = driver.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
   out = capsys.readouterr().out
   assert "warm-up: loaded from the warm-up cache" in out and "warm-up: 6 steps" not in out
   assert s2["sft/from_cache"] == 1.0 and s2["sft/steps"] == s1["sft/steps"] == 6
@@ -187,12 +187,12 @@ def test_second_run_loads_the_warm_up_and_runs_the_same_run(tmp_path, capsys):
 def test_rl_keys_share_a_warm_up_and_the_cache_off_recomputes_it(tmp_path, capsys):
   cache = str(tmp_path / "cache")
   first = _cfg(tmp_path / "a", cache)
-  trainer.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
+  driver.run(first, first.run_dir, config_lib.validate(first, jax.device_count()))
   assert "warm-up: cached in" in capsys.readouterr().out
   # An RL key differs: the same warm-up, loaded.
   second = _cfg(tmp_path / "b", cache)
   second.train.learning_rate = 1e-3
-  s2 = trainer.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
+  s2 = driver.run(second, second.run_dir, config_lib.validate(second, jax.device_count()))
   assert "warm-up: loaded from the warm-up cache" in capsys.readouterr().out
   assert s2["sft/from_cache"] == 1.0 and len(os.listdir(cache)) == 1
   a, b = _rows(first.run_dir), _rows(second.run_dir)
@@ -202,14 +202,14 @@ def test_rl_keys_share_a_warm_up_and_the_cache_off_recomputes_it(tmp_path, capsy
   # the loaded run's to the last bit.
   third = _cfg(tmp_path / "c", "")
   third.train.learning_rate = 1e-3
-  s3 = trainer.run(third, third.run_dir, config_lib.validate(third, jax.device_count()))
+  s3 = driver.run(third, third.run_dir, config_lib.validate(third, jax.device_count()))
   assert "warm-up: 6 steps" in capsys.readouterr().out and "sft/from_cache" not in s3
   c = _rows(third.run_dir)
   assert [r["phase"] for r in c].count("rl") == 2 and c == b
   # A warm-up key differs: a miss, a second entry.
   fourth = _cfg(tmp_path / "d", cache)
   fourth.sft.learning_rate = 2e-3
-  trainer.run(fourth, fourth.run_dir, config_lib.validate(fourth, jax.device_count()))
+  driver.run(fourth, fourth.run_dir, config_lib.validate(fourth, jax.device_count()))
   assert "warm-up: cached in" in capsys.readouterr().out
   assert len(os.listdir(cache)) == 2
 
@@ -222,7 +222,7 @@ from jaxrl.parallel import distributed
 distributed.join("", 1, 0, 60, auto=True, env=os.environ)
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import trainer
+from jaxrl.run import driver
 from jaxrl.run import warmup as warmup_lib
 from jaxrl.recipes.default import get_config
 from jaxrl.run.parts import build_parts

@@ -34,7 +34,7 @@ import sys
 import types
 
 from jaxrl.core.errors import UserError
-from jaxrl.run.run_dir import METADATA_DIR, METADATA_FILES, copy_metadata  # noqa: F401
+from jaxrl.run.directory import METADATA_DIR, METADATA_FILES, copy_metadata  # noqa: F401
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -226,7 +226,7 @@ def main(argv: list[str]) -> None:
 
   from jaxrl.runtime import compile_cache
 
-  from jaxrl.run import rollout_process, trainer
+  from jaxrl.run import actor, driver
   from jaxrl.run.loop import TrainingHalted
   from jaxrl.run.signals import Stop
   from jaxrl.run.topology import Topology
@@ -244,7 +244,7 @@ def main(argv: list[str]) -> None:
 
   try:
     # A rollout process of a run disaggregated across processes has an entry of its own.
-    entry = rollout_process.run if Topology.build(mesh_shape).generates_only else trainer.run
+    entry = actor.run if Topology.build(mesh_shape).generates_only else driver.run
     entry(cfg, run_dir, mesh_shape, stop=stop, started=STARTED)
   except BaseException as e:
     message = f"jaxrl: stopped: {e}" if isinstance(e, TrainingHalted) else \

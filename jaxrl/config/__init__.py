@@ -12,7 +12,7 @@ from jaxrl.config.mesh import MeshShape, mirror_folds
 from jaxrl.config.microbatch import resolve_microbatches, run_microbatches, shared_prompts
 from jaxrl.config.overrides import parse_overrides
 from jaxrl.config.preflight import RUN_ROOT, default_run_dir
-from jaxrl.config.recipe import RecipeError, load_recipe
+from jaxrl.config.loader import RecipeError, load_recipe
 from jaxrl.config.saved import merge_saved, to_dict
 from jaxrl.config.schema import PREFIX, ConfigError
 from jaxrl.config.validation import distributed_settings, validate

@@ -54,7 +54,7 @@ class MetricsWriter:
       with open(self.path, "w") as f:
         f.write("".join(line + "\n" for line in lines))
       self.rows = [json.loads(line) for line in lines]
-    # A fresh run's file must not exist (jaxrl.run.run_dir moves a previous run aside): "x" makes a
+    # A fresh run's file must not exist (jaxrl.run.directory moves a previous run aside): "x" makes a
     # mistake there an error instead of two runs appended into one file.
     mode = "a" if keep_lines is not None else "x"
     self._f = None if self.path is None else open(self.path, mode, buffering=1)

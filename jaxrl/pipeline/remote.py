@@ -2,7 +2,7 @@
 params version crosses to the rollout processes (`Versions`, `Sender`) and how their batches
 reach the train side (`Receiver`).
 
-The rollout processes run `jaxrl.run.rollout_process`, not the training loop. The train side runs
+The rollout processes run `jaxrl.run.actor`, not the training loop. The train side runs
 the usual training loop with a `Receiver` in place of the producer: its rollout worker thread
 reserves a ring slot for batch b and waits for its K parts, and the trainer thread puts the rows
 in the data plane when it pulls the batch (`globalize`). Everything else (the lag ring,
@@ -26,7 +26,7 @@ import numpy as np
 from jaxrl import parallel
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
-from jaxrl.parallel.topology import rollout_groups, rollout_rank, sides
+from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides
 from jaxrl.pipeline.producer import LocalRows, ProcessShare, RingItem, RolloutProducer, combine
 from jaxrl.pipeline.worker import params_version
 from jaxrl.rollout.precision import rollout_dtype

@@ -150,7 +150,7 @@ def get_config() -> ConfigDict:
   c.sft.stop_accuracy = 0.3  # stop warm-up at the first dev greedy accuracy >= this
   c.sft.eval_every = 5  # fine enough that every machine stops near the same accuracy
   c.sft.max_steps = 1500  # hard cap; the run says so if it stopped on the cap
-  # Warm-up cache (jaxrl.run.warmup_cache): a run whose warm-up this machine has computed before (same
+  # Warm-up cache (jaxrl.run.warmup): a run whose warm-up this machine has computed before (same
   # model, data, warm-up keys, code, versions and backend; RL keys may differ) loads its result
   # instead: the same parameters and metrics rows. "auto" = $JAXRL_WARMUP_CACHE_DIR or
   # ~/.cache/jaxrl/warmup; a path; "" = off (always train the warm-up).

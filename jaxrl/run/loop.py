@@ -29,11 +29,11 @@ from jaxrl.learner.step import model_params
 from jaxrl.models import lora as lora_lib
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl.observe import profiling
-from jaxrl.observe.step_row import step_row
+from jaxrl.observe.rows import step_row
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.producer import train_fields
-from jaxrl.run import run_dir as run_dir_lib
-from jaxrl.run.loop_state import LoopState
+from jaxrl.run import directory as run_dir_lib
+from jaxrl.run.state import LoopState
 from jaxrl.run.validation import Evaluator
 
 

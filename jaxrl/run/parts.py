@@ -34,7 +34,7 @@ from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,
                                      rollout_model)
-from jaxrl.parallel.topology import sides as remote_sides
+from jaxrl.parallel.sides import sides as remote_sides
 from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.learner.step import shard_params
 from jaxrl.run import teacher as teacher_lib

@@ -1,7 +1,7 @@
 """What every process of a run opens before its entry's work and closes after it, whatever happens
 (`Session`): the topology, the run's parts, the console, the run directory's lock, the decision of
 how the run starts, and the checkpointer. Both entries use it: the training run
-(`jaxrl.run.trainer.run`) and a rollout process's (`jaxrl.run.rollout_process.run`)."""
+(`jaxrl.run.driver.run`) and a rollout process's (`jaxrl.run.actor.run`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 from jaxrl import parallel
 from jaxrl.config import MeshShape
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import run_dir as run_dir_lib
+from jaxrl.run import directory as run_dir_lib
 from jaxrl.run.parts import build_parts
 from jaxrl.run.topology import Topology
 from jaxrl.runtime import checkpoint
@@ -24,7 +24,7 @@ class Session:
 
   Every process builds the parts (the data, model files and tokenizer are checked, and the model
   built, before anything is written); only the process that writes (`main`) takes the run
-  directory's lock (`jaxrl.run.run_dir`: one run per directory) and prints. `start` is how the
+  directory's lock (`jaxrl.run.directory`: one run per directory) and prints. `start` is how the
   run starts (`run_dir.decide`); `ckpt` the checkpointer on `<run_dir>/checkpoints`. The trainer
   adds what it opens later (`out`, the metrics writer; `reader`, a checkpointer on another run's
   directory) and the session closes those too.

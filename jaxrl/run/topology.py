@@ -7,7 +7,7 @@ Three layouts, one value each (never a branch in the loop):
   rollout worker is a thread beside the trainer;
 - **devices** (`mesh.rollout > 0`, one process): the samplers generate on devices of their own in
   the same process (`Parts.rollout_mesh`); a version crosses as a reshard;
-- **processes** (`mesh.rollout_processes`): whole processes generate (`jaxrl.run.rollout_process`)
+- **processes** (`mesh.rollout_processes`): whole processes generate (`jaxrl.run.actor`)
   and the train processes receive their rows (`jaxrl.pipeline.remote`).
 
 On several processes a colocated run makes each process's share of every batch on its own devices
@@ -34,7 +34,7 @@ from jaxrl import parallel
 from jaxrl.config import MeshShape
 from jaxrl.learner.rl import lora_model
 from jaxrl.models import lora as lora_lib
-from jaxrl.parallel import topology as devices_lib
+from jaxrl.parallel import sides as devices_lib
 from jaxrl.pipeline import ParamsHandoff, remote
 from jaxrl.pipeline.producer import RolloutProducer, process_share
 from jaxrl.rollout.precision import rollout_dtype

@@ -1,7 +1,7 @@
 """The training run: build the parts from a validated config, warm up, train with GRPO, report.
 
 `run(cfg, run_dir, mesh_shape)` is what `python -m jaxrl.train` calls on a process that trains
-(a rollout process of a run disaggregated across processes runs `jaxrl.run.rollout_process.run`
+(a rollout process of a run disaggregated across processes runs `jaxrl.run.actor.run`
 instead; `jaxrl.run.entry` picks). Phases:
 
 1. supervised warm-up on task demonstrations (`jaxrl.run.warmup`), stopped at the first `dev`
@@ -12,7 +12,7 @@ instead; `jaxrl.run.entry` picks). Phases:
 
 Where the rest lives: what a run is built from in `jaxrl.run.parts`, where rollouts run and how
 params reach them in `jaxrl.run.topology`, the RL step in `jaxrl.learner.rl`, batches in
-`jaxrl.pipeline.producer`, checkpointed loop state in `jaxrl.run.loop_state`.
+`jaxrl.pipeline.producer`, checkpointed loop state in `jaxrl.run.state`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl.learner.rl import CompileAhead
 from jaxrl.observe import metrics as metrics_lib
-from jaxrl.run import run_dir as run_dir_lib
+from jaxrl.run import directory as run_dir_lib
 from jaxrl.run.loop import LoopStart, RLStep, RunIO, TrainingHalted, rl  # noqa: F401
-from jaxrl.run.loop_state import LoopState
+from jaxrl.run.state import LoopState
 from jaxrl.run.session import Session
 from jaxrl.run.warmup import warmup
 from jaxrl.runtime import checkpoint

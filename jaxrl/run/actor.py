@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl.parallel import bridge as bridge_lib
-from jaxrl.parallel.topology import rollout_rank, train_processes
+from jaxrl.parallel.sides import rollout_rank, train_processes
 from jaxrl.pipeline.handoff import ParamsHandoff
 from jaxrl.pipeline.producer import LocalRows, RolloutProducer, part_json
 from jaxrl.pipeline.remote import Versions, rollout_share, run_channel

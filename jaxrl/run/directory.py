@@ -22,7 +22,7 @@ from jaxrl.runtime import checkpoint
 from jaxrl.core.errors import UserError
 
 LOCK_FILE = ".jaxrl.lock"
-# What a run writes into its directory (jaxrl.run.trainer.run, jaxrl.export.METADATA_DIR aside; the
+# What a run writes into its directory (jaxrl.run.driver.run, jaxrl.export.METADATA_DIR aside; the
 # metrics sinks of jaxrl.observe.sinks).
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
              "hf_base", "tensorboard", "wandb")
