@@ -132,6 +132,23 @@ def global_counts(cfg: ObjectiveConfig, mask: jax.Array) -> dict[str, jax.Array]
   return {name: count(name, mask) for name in cfg.reductions()}
 
 
+def _check_inputs(cfg: ObjectiveConfig, lp_gen, lp_ref, entropy, lp_teacher) -> None:
+  """Raises ValueError naming an input `objective`'s settings need but did not get, or an
+  unknown `ratio_base`."""
+  users = cfg.rollout_logprob_users()
+  if users and lp_gen is None:
+    raise ValueError(f"this objective needs the sampler's log-probs (lp_gen) for "
+                     f"{', '.join(users)}")
+  if cfg.ref_kl_coef != 0 and lp_ref is None:
+    raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
+  if cfg.entropy_coef != 0 and entropy is None:
+    raise ValueError("entropy_coef != 0 needs the per-token entropy")
+  if cfg.distill_coef != 0 and lp_teacher is None:
+    raise ValueError("distill_coef != 0 needs the teacher's log-probs (lp_teacher)")
+  if cfg.ratio_base not in ("trainer", "rollout"):
+    raise ValueError(f"unknown ratio_base {cfg.ratio_base!r}; expected 'trainer' or 'rollout'")
+
+
 def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.Array,
               mask: jax.Array, counts: dict[str, jax.Array], *, lp_gen: jax.Array | None = None,
               lp_ref: jax.Array | None = None, entropy: jax.Array | None = None,
@@ -168,20 +185,11 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
     Those of its parts: see `policy_loss`, `kl_estimate`, `importance_weighted_kl`,
     `correction`, `reduce` and `reverse_kl_advantages`.
   """
+  _check_inputs(cfg, lp_gen, lp_ref, entropy, lp_teacher)
   mask = jnp.asarray(mask, bool)
   div = lambda s, red: s / jnp.maximum(counts[red], 1.0)
-  users = cfg.rollout_logprob_users()
-  if users and lp_gen is None:
-    raise ValueError(f"this objective needs the sampler's log-probs (lp_gen) for "
-                     f"{', '.join(users)}")
-  if cfg.ref_kl_coef != 0 and lp_ref is None:
-    raise ValueError("ref_kl_coef != 0 needs the reference log-probs (lp_ref)")
-  if cfg.entropy_coef != 0 and entropy is None:
-    raise ValueError("entropy_coef != 0 needs the per-token entropy")
   distill_parts = []
   if cfg.distill_coef != 0:
-    if lp_teacher is None:
-      raise ValueError("distill_coef != 0 needs the teacher's log-probs (lp_teacher)")
     behaviour = jax.lax.stop_gradient(lp_gen if lp_gen is not None else lp_old)
     adv = reverse_kl_advantages(lp_teacher, behaviour, mask, coef=cfg.distill_coef,
                                 seq_advantages=adv, reward_weight=cfg.distill_reward_weight)
@@ -192,8 +200,6 @@ def objective(cfg: ObjectiveConfig, lp: jax.Array, lp_old: jax.Array, adv: jax.A
   kw = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
   if cfg.policy == "sapo":
     kw.update(tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
-  if cfg.ratio_base not in ("trainer", "rollout"):
-    raise ValueError(f"unknown ratio_base {cfg.ratio_base!r}; expected 'trainer' or 'rollout'")
   ratio_base = lp_gen if cfg.ratio_base == "rollout" else lp_old
   pol = policy_loss(cfg.policy, lp, ratio_base, adv, mask, **kw)
   parts = distill_parts
