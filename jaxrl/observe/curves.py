@@ -18,10 +18,10 @@ import fnmatch
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 # Phases searched for a metric, in order; the x axis of each is its own step count.
 PHASES = ("rl", "val", "sft")
@@ -125,6 +125,12 @@ def draw(runs: Mapping[str, Sequence[dict]], panels: Sequence[Panel] = CURVES,
   # ~0.8 s save of the run chart on the 2-core CPU (paid at the end of every run).
   bottom_in = 0.55 + (0.45 if multi else 0.0)
   top_in = 0.55 if title else 0.3
+  # matplotlib is imported when a chart is drawn: it takes most of a second to import, which a
+  # run pays only at its end (and a process that never draws, e.g. process 1 of a pod, never).
+  from matplotlib.figure import Figure
+  from matplotlib.lines import Line2D
+  from matplotlib.ticker import MaxNLocator
+
   fig = Figure(figsize=(width, height), dpi=100)
   fig.subplots_adjust(left=0.75 / width, right=1 - 0.2 / width, bottom=bottom_in / height,
                       top=1 - top_in / height, wspace=0.32, hspace=0.5)
@@ -181,4 +187,6 @@ def write_curves(path: str, runs: Mapping[str, Sequence[dict]],
 
 def supported_formats() -> dict[str, str]:
   """{file extension: description} of the formats `write_curves` can write."""
+  from matplotlib.figure import Figure  # imported when asked (see `draw`)
+
   return Figure().canvas.get_supported_filetypes()

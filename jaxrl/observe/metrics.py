@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from jaxrl.observe import curves
 from jaxrl.observe import sinks as sinks_lib
 
 if TYPE_CHECKING:  # rich is imported when a terminal display starts
@@ -254,10 +255,6 @@ def rl_progress_text(row: dict, val_accuracy: float | None = None,
 
 
 def write_chart(path: str, rows: list[dict], title: str) -> None:
-  """The run's chart (`plotting.CURVES`: reward, held-out accuracy, response length, entropy,
+  """The run's chart (`curves.CURVES`: reward, held-out accuracy, response length, entropy,
   staleness over RL steps) from its metrics rows."""
-  # Imported here: matplotlib takes most of a second to import, which a run pays only at its end
-  # (and a process that never draws, e.g. process 1 of a pod, never pays).
-  from jaxrl.observe import curves as plotting
-
-  plotting.write_curves(path, {title: rows}, title=title)
+  curves.write_curves(path, {title: rows}, title=title)

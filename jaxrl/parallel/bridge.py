@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.parallel import peers
+
 try:
   from jax import shard_map as _shard_map
 
@@ -66,7 +68,6 @@ class Channel:
 
   def __init__(self, client=None, poll_s: float = 0.2, prefix: str = PREFIX):
     if client is None:
-      from jaxrl.parallel import peers
       client = peers.coordination_client()
     self.client = client
     self.poll_ms = max(1, int(poll_s * 1000))

@@ -27,6 +27,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.parallel import peers
+from jaxrl.parallel.sharding import param_shardings
+
 
 class EnvError(ValueError):
   """A launcher's environment variable is malformed or inconsistent; the message names it."""
@@ -201,8 +204,6 @@ def _heartbeat(peer_timeout_s: float | None) -> dict:
   """JAX's own heartbeat timeout: `peer_timeout_s` plus a margin (`peers.JAX_MARGIN_S`), so the
   run's `PeerWatch` names a lost process before JAX's runtime ends this one; JAX's default when
   None."""
-  from jaxrl.parallel import peers
-
   if peer_timeout_s is None:
     return {}
   return {"heartbeat_timeout_seconds": int(peer_timeout_s) + peers.JAX_MARGIN_S}
@@ -389,8 +390,6 @@ def publish_local(params, mesh: Mesh, local: Mesh):
   whole copies, tensor-split where `local` has a 'tensor' axis: each device receives only the
   part it keeps). Each process then wraps its own devices' buffers of that copy as arrays of
   `local` (no transfer)."""
-  from jaxrl.parallel.sharding import param_shardings
-
   stacked = every_local_mesh(mesh, local.shape["tensor"])
   leaves, treedef = jax.tree.flatten(params)
   shardings = tuple(jax.tree.leaves(param_shardings(params, stacked)))
