@@ -34,7 +34,8 @@ import numpy as np
 
 import train_step as step_bench  # benchmarks/train_step.py: the default train-step case and data
 from jaxrl.recipes.default import get_config
-from jaxrl.models.transformer import ModelConfig, init_model
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.data_plane import DataPlane

@@ -65,7 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.recipes.default import get_config
-from jaxrl.models.transformer import ModelConfig, init_model
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import init_model
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.static_sampler import make_sampler
 

@@ -66,7 +66,9 @@ import sampler_throughput as st  # noqa: E402  (benchmarks/sampler_throughput.py
 from jaxrl import parallel  # noqa: E402
 from jaxrl.recipes.default import get_config  # noqa: E402
 from jaxrl.models import lora  # noqa: E402
-from jaxrl.models.transformer import ModelConfig, abstract_model, lora_dims  # noqa: E402
+from jaxrl.models.layers import lora_dims  # noqa: E402
+from jaxrl.models.model_config import ModelConfig  # noqa: E402
+from jaxrl.models.transformer import abstract_model  # noqa: E402
 from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

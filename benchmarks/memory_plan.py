@@ -88,8 +88,9 @@ import numpy as np  # noqa: E402
 from jaxrl.recipes.default import get_config  # noqa: E402
 from jaxrl.kernels.fused_logprob.api import default_impl  # noqa: E402
 from jaxrl.models import lora as lora_lib  # noqa: E402
-from jaxrl.models.transformer import (REMAT_POLICIES, ModelConfig, abstract_model,  # noqa: E402
-                                      lora_dims)
+from jaxrl.models.layers import lora_dims  # noqa: E402
+from jaxrl.models.model_config import REMAT_POLICIES, ModelConfig  # noqa: E402
+from jaxrl.models.transformer import abstract_model  # noqa: E402
 from jaxrl.parallel import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jaxrl.parallel.sharding import kv_cache_shardings, mesh_of  # noqa: E402
 from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402

@@ -53,7 +53,8 @@ import jax  # noqa: E402
 import jax._src.array as jax_array  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl.models.transformer import ModelConfig, abstract_model  # noqa: E402
+from jaxrl.models.model_config import ModelConfig  # noqa: E402
+from jaxrl.models.transformer import abstract_model  # noqa: E402
 from jaxrl.parallel import make_mesh, param_shardings  # noqa: E402
 from jaxrl.parallel.reshard import device_bytes, leaf_path, reshard  # noqa: E402
 

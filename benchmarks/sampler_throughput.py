@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.recipes.default import get_config
-from jaxrl.models.transformer import ModelConfig, abstract_model, init_model
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import abstract_model, init_model
 from jaxrl.rollout.static_sampler import make_sampler
 
 DEFAULT_VOCAB = 14  # the `add` task's CharTokenizer: 12 characters + pad + EOS

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from jaxrl.recipes.default import get_config
-from jaxrl.models.transformer import ModelConfig, init_model
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.learner.step import build_train_step, make_optimizer, to_rows
 from jaxrl.learner.rl import rl_step_config

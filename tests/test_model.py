@@ -8,9 +8,8 @@ from flax import nnx
 
 from conftest import tiny_model_config
 from jaxrl.models import KVCache, init_model
-from jaxrl.models.transformer import token_logprobs
-from jaxrl.models.transformer import (MASK_VALUE, ONE_HOT_EMBED_MAX_VOCAB, attention,
-                                      embed_lookup, left_positions)
+from jaxrl.models.layers import MASK_VALUE, ONE_HOT_EMBED_MAX_VOCAB, attention, embed_lookup
+from jaxrl.models.logprobs import left_positions, token_logprobs
 from jaxrl.rollout.static_sampler import make_sampler
 
 VARIANTS = {
@@ -163,7 +162,7 @@ def _np_inv_freq(head_dim, theta, scaling="none", factor=1.0, low=1.0, high=4.0,
 
 
 def test_rope_inv_freq_matches_the_formulas_in_every_band():
-  from jaxrl.models.transformer import rope_inv_freq
+  from jaxrl.models.layers import rope_inv_freq
 
   dh, theta = 16, 10000.0
   np.testing.assert_array_equal(

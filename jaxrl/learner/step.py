@@ -42,7 +42,8 @@ from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
-from jaxrl.models.transformer import KVCache, continuation_positions, left_positions
+from jaxrl.models.logprobs import continuation_positions, left_positions
+from jaxrl.models.model_config import KVCache
 from jaxrl.core.names import LR_SCHEDULES
 from jaxrl.core.types import TrainBatch, TrainState
 

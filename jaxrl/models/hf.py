@@ -31,7 +31,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxrl.core.errors import UserError
-from jaxrl.models.transformer import DTYPES, ModelConfig, abstract_model
+from jaxrl.models.model_config import DTYPES, ModelConfig
+from jaxrl.models.transformer import abstract_model
+from jaxrl.parallel import param_shardings
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -308,7 +310,6 @@ def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
 
   shardings = None
   if mesh is not None:
-    from jaxrl.parallel import param_shardings
     shardings = param_shardings(abstract, mesh)
     flat_sh = {path[0].key: s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
 

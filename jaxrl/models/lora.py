@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.transformer import DTYPES, ModelConfig, Transformer, lora_dims
+from jaxrl.models.layers import lora_dims
+from jaxrl.models.model_config import DTYPES, ModelConfig
+from jaxrl.models.transformer import Transformer
 
 # LoRA target -> the base weight it adapts.
 WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.models.transformer import KVCache
+from jaxrl.models.model_config import KVCache
 from jaxrl.rollout.slot_state import (DecodeState, DriverFns, Prefix, batch_axis, gather_slots,
                                       get_row, place_cache, put_row, scatter_slots)
 from jaxrl.rollout.static_sampler import eos_tuple, is_eos, pick_tokens

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.transformer import KVCache
+from jaxrl.models.model_config import KVCache
 from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache
 
 

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.transformer import KVCache, left_positions, scale_logits, token_logprobs
+from jaxrl.models.logprobs import left_positions, scale_logits, token_logprobs
+from jaxrl.models.model_config import KVCache
 from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache, mesh_of
 
 

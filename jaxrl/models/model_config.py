@@ -1,0 +1,148 @@
+"""The model's configuration and its key/value cache record.
+
+`ModelConfig` describes an architecture (enough for real Llama / Qwen checkpoints) and checks its
+own fields when built; `KVCache` is the per-layer keys and values a decode loop carries between
+calls of `Transformer`. Both are plain records, importable without building a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.core import names
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+# Rematerialisation of each layer in the backward pass (`ModelConfig.remat`): what a layer saves
+# for its gradient. None = save everything (checkpointing off).
+REMAT_POLICIES = {
+    "none": None,
+    # Only the layer's inputs; the whole layer is recomputed in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Also the outputs of the weight matmuls (q/k/v, out, gate/up, down projections): only the
+    # attention core (scores, softmax: the [rows, heads, T, T] tensors) and elementwise ops are
+    # recomputed.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+names.check_registry("REMAT_POLICIES", names.REMAT_POLICIES, REMAT_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture; fields are enough to describe real Llama/Qwen checkpoints."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10000.0
+  # Rotary frequency scaling for long context, as the checkpoint was trained with it (see
+  # `layers.rope_inv_freq`): "none", "linear" (every frequency divided by `rope_factor`) or
+  # "llama3" (Llama 3.1+: low frequencies divided by `rope_factor`, high ones kept, a smooth ramp
+  # between, with band edges at `rope_original_max_positions / rope_{low,high}_freq_factor`
+  # positions).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  rms_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  init_std: float = 0.02
+  # lax.scan over layers keeps compile time flat in depth; unrolling is faster for shallow
+  # models on CPU, where XLA splits the scan's backward into one loop per weight.
+  scan_layers: bool = True
+  # Rematerialisation in training (`REMAT_POLICIES`): "none", "full" or "dots". Without it the
+  # backward pass keeps every layer's f32 attention scores and probabilities [rows, heads, T, T];
+  # with it each layer keeps its input (and for "dots" its matmul outputs) and recomputes the
+  # rest. Same values either way; only forward passes without a KV cache (training, scoring) use
+  # it.
+  remat: str = "none"
+  # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
+  # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`
+  # (`names.LORA_TARGETS`), whose product scaled by `lora_alpha / lora_rank` is added to that
+  # projection's output; `lora_dropout` drops the adapter's input when a dropout key is given.
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: tuple[str, ...] = ()
+  lora_dropout: float = 0.0
+
+  def __post_init__(self):
+    # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
+    # "none" somewhere, or fail deep inside jit.
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
+    unknown = set(self.lora_targets) - set(names.LORA_TARGETS)
+    if unknown or (self.lora_rank and not self.lora_targets):
+      raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "
+                       f"{names.LORA_TARGETS}")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
+    if self.rope_scaling != "none" and not self.rope_factor > 0:
+      raise ValueError(f"rope_factor={self.rope_factor!r} must be > 0 with "
+                       f"rope_scaling={self.rope_scaling!r}")
+    if self.rope_scaling == "llama3" and not (
+        0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        and self.rope_original_max_positions > 0):
+      raise ValueError(
+          "rope_scaling='llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor and "
+          f"rope_original_max_positions > 0; got {self.rope_low_freq_factor}, "
+          f"{self.rope_high_freq_factor}, {self.rope_original_max_positions}")
+
+  @classmethod
+  def qwen2_5_0_5b(cls, **overrides) -> "ModelConfig":
+    """Qwen2.5-0.5B shapes (494M parameters)."""
+    kw = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
+              head_dim=64, mlp_dim=4864, rope_theta=1000000.0, rms_eps=1e-6, qkv_bias=True,
+              tie_embeddings=True)
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
+  def from_config(cls, model_cfg, vocab_size: int) -> "ModelConfig":
+    """From the `model` section of a run config (`vocab_size=0` there means the task's)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in model_cfg.items() if k in fields}
+    if not kw.get("vocab_size"):
+      kw["vocab_size"] = vocab_size
+    return cls(**kw)
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys/values by slot plus which slots hold real tokens."""
+
+  # kv-head-major, keys slot-minor [B, K, Dh, S], values slot-major [B, K, S, Dh]: a
+  # single-token query then multiplies [G, Dh] x [Dh, S] and [G, S] x [S, Dh], both over
+  # contiguous rows with no transposed operand. Stacked [L, ...] when layers are scanned, a tuple
+  # of L arrays when unrolled. On a mesh, rows go over the batch axes and kv heads over 'tensor'
+  # (`parallel.sharding.constrain_kv_cache`): the sampler and the engine pin it so for the mesh
+  # of their params, the model for the mesh it is traced under (the train step's).
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
+  valid: jax.Array  # [B, S] bool
+
+  @staticmethod
+  def zeros(cfg: ModelConfig, batch: int, slots: int) -> "KVCache":
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, slots)
+    v_shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    dt = DTYPES[cfg.dtype]
+    # Separate buffers throughout: the decode loop donates the cache, and XLA refuses to donate
+    # one buffer twice.
+    if cfg.scan_layers:
+      zeros = lambda shape: jnp.zeros((cfg.num_layers, *shape), dt)
+    else:
+      zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    return KVCache(zeros(k_shape), zeros(v_shape), jnp.zeros((batch, slots), bool))
