@@ -2,7 +2,7 @@
 
 Draws the metrics.jsonl of one or more run directories on one chart, one colour per run and the
 legend by run directory name: seeds or configs side by side. Without --keys the panels are those
-of a run's own curves.png (`plotting.CURVES`); each --keys entry is one panel, a metric name or an
+of a run's own curves.png (`curves.CURVES`); each --keys entry is one panel, a metric name or an
 fnmatch pattern (`'staleness/*'`). Errors the user can fix (a missing directory or file, a
 malformed line, an unwritable output) end as one line `jaxrl: <message>` and exit status 1.
 """
@@ -83,24 +83,24 @@ def run_labels(runs: Sequence[str]) -> list[str]:
 def plot(runs: Sequence[str], out: str = DEFAULT_OUT, keys: Sequence[str] | None = None,
          title: str | None = None) -> list[str]:
   """Writes the chart of `runs` to `out`; returns the keys no run had data for."""
-  from jaxrl.observe import curves as plotting  # matplotlib: only once the arguments parsed
+  from jaxrl.observe import curves  # matplotlib: only once the arguments parsed
 
   ext = os.path.splitext(out)[1].lstrip(".").lower()
-  formats = plotting.supported_formats()
+  formats = curves.supported_formats()
   if ext not in formats:
     raise UserError(f"-o {out}: name a file ending in one of "
                     f"{', '.join('.' + f for f in sorted(formats))}")
   data = {label: read_metrics(metrics_path(run)) for run, label in zip(runs, run_labels(runs))}
-  panels = [plotting.panel_for(k) for k in keys] if keys else list(plotting.CURVES)
+  panels = [curves.panel_for(k) for k in keys] if keys else list(curves.CURVES)
   if title is None and len(runs) == 1:
     title = next(iter(data))
   try:
-    plotting.write_curves(out, data, panels, title)
+    curves.write_curves(out, data, panels, title)
   except OSError as e:
     raise UserError(f"cannot write {out}: {e.strerror or e}") from None
   return [k for p in panels for k in p.keys
           if not any(line.has_data for rows in data.values()
-                     for line in plotting.lines(rows, (k,)).values())]
+                     for line in curves.lines(rows, (k,)).values())]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

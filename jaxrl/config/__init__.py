@@ -3,7 +3,7 @@
 By job: `schema` (keys, types, ranges), `validation` (`validate`: every problem of a config at
 once, `distributed_settings`), `mesh` (`MeshShape` and the device split), `microbatch`
 (micro-batch planning), `preflight` (what the run touches outside the config: files, memory),
-`recipe` (`load_recipe`, `--config path.py`), `overrides` (`parse_overrides`,
+`loader` (`load_recipe`, `--config path.py`), `overrides` (`parse_overrides`,
 `--config.a.b=value`) and `saved` (a run's config.json). The rest of jaxrl uses the names
 re-exported here (`from jaxrl import config as config_lib`). No jax is imported.
 """

@@ -2,7 +2,7 @@
 
 `run(cfg, run_dir, mesh_shape)` is what `python -m jaxrl.train` calls on a process that trains
 (a rollout process of a run disaggregated across processes runs `jaxrl.run.actor.run`
-instead; `jaxrl.run.entry` picks). Phases:
+instead; `jaxrl.cli.train` picks). Phases:
 
 1. supervised warm-up on task demonstrations (`jaxrl.run.warmup`), stopped at the first `dev`
    greedy accuracy >= `sft.stop_accuracy`;
