@@ -541,7 +541,7 @@ def main():
   args, _ = ap.parse_known_args()
   recipe = None
   if args.recipe:
-    from jaxrl.config.recipe import load_recipe
+    from jaxrl.config.loader import load_recipe
     recipe = load_recipe(args.recipe)
     ap.set_defaults(**recipe_defaults(recipe, jax.device_count()))
   args = ap.parse_args()
