@@ -38,7 +38,7 @@ from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import init_model
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
-from jaxrl.pipeline.data_plane import DataPlane
+from jaxrl.pipeline.row_store import DataPlane
 from jaxrl.learner.step import build_train_step, make_optimizer, to_rows
 from jaxrl.learner.rl import rl_step_config
 

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_hf_dir(path: str, param_dtype: str | None, chat: bool):
   """-> (graphdef, params, tokenizer) of a Hugging Face model directory."""
   from jaxrl.data.hf_tokenizer import HFTokenizer
-  from jaxrl.models.hf import load_hf
+  from jaxrl.models.hf_checkpoint import load_hf
 
   _, graphdef, params = load_hf(path, param_dtype=param_dtype)
   # Without --chat only `encode` is used, so a directory without a template serves too.

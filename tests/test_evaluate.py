@@ -110,7 +110,7 @@ def test_a_hugging_face_directory_on_another_split_with_pass_at_k(tmp_path):
   from hf_fixtures import qwen_files
   from jaxrl.data.hf_tokenizer import HFTokenizer
   from jaxrl.models import ModelConfig, init_model
-  from jaxrl.models.hf import save_hf
+  from jaxrl.models.hf_checkpoint import save_hf
 
   path = qwen_files(tmp_path / "tiny")
   model = ModelConfig(vocab_size=HFTokenizer.from_dir(path).vocab_size + 13, d_model=64,

@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 
 from jaxrl.models import abstract_model  # noqa: E402
 from hf_fixtures import random_hf_model  # noqa: E402  (tests/ is on sys.path)
-from jaxrl.models.hf import HFCheckpointError, load_hf, save_hf  # noqa: E402
+from jaxrl.models.hf_checkpoint import HFCheckpointError, load_hf, save_hf  # noqa: E402
 from jaxrl.parallel import make_mesh  # noqa: E402
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -31,7 +31,7 @@ from jaxrl.recipes import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from jaxrl.run.parts import build_parts, make_tokenizer  # noqa: E402
 from jaxrl.models import ModelConfig, init_model  # noqa: E402
-from jaxrl.models.hf import load_hf, save_hf  # noqa: E402
+from jaxrl.models.hf_checkpoint import load_hf, save_hf  # noqa: E402
 
 QUESTIONS = [(f"Tom has {a} apples and buys {b} more. How many apples does he have?",
               f"He has {a} + {b} = {a + b} apples.\n#### {a + b}") for a, b in

@@ -169,7 +169,7 @@ def hf_dir(tmp_path_factory):
   from hf_fixtures import qwen_files
 
   from jaxrl.data.hf_tokenizer import HFTokenizer
-  from jaxrl.models.hf import save_hf
+  from jaxrl.models.hf_checkpoint import save_hf
 
   path = qwen_files(tmp_path_factory.mktemp("hf") / "tiny-qwen2")
   tok = HFTokenizer.from_dir(path)
@@ -184,7 +184,7 @@ def test_serve_script_answers_one_grpc_request(hf_dir, tmp_path):
   import grpc
 
   from jaxrl.data.hf_tokenizer import HFTokenizer
-  from jaxrl.models.hf import load_hf
+  from jaxrl.models.hf_checkpoint import load_hf
 
   path = hf_dir
   port = free_port()
@@ -244,7 +244,7 @@ def test_serve_loads_a_run_checkpoint(hf_dir, tmp_path):
 
   from jaxrl.runtime import checkpoint
   from jaxrl.cli.export import METADATA_DIR, copy_metadata
-  from jaxrl.models.hf import load_hf
+  from jaxrl.models.hf_checkpoint import load_hf
 
   path = hf_dir
   cfg, _, base_params = load_hf(path)

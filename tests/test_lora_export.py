@@ -35,7 +35,7 @@ from jaxrl.cli import export
 from jaxrl.recipes import llama3_2_1b_gsm8k_lora, qwen2_5_0_5b_gsm8k_lora  # noqa: E402
 from jaxrl.models import ModelConfig, abstract_model  # noqa: E402
 from jaxrl.models import lora as lora_lib  # noqa: E402
-from jaxrl.models.hf import load_hf, save_hf  # noqa: E402
+from jaxrl.models.hf_checkpoint import load_hf, save_hf  # noqa: E402
 from jaxrl.core.types import TrainState  # noqa: E402
 
 RANK, ALPHA = 4, 8.0

@@ -20,7 +20,7 @@ pytest.importorskip("safetensors")
 
 from hf_fixtures import random_hf_model  # noqa: E402  (tests/ is on sys.path)
 from jaxrl.data.tokenizer import left_pad  # noqa: E402
-from jaxrl.models.hf import load_hf  # noqa: E402
+from jaxrl.models.hf_checkpoint import load_hf  # noqa: E402
 from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -239,7 +239,7 @@ def test_user_errors_keep_their_builtin_classes_and_print_one_line():
   from jaxrl.data.hf_files import HFTokenizerError
   from jaxrl.data.sources import BadRow
   from jaxrl.core.errors import DataFileError, UserError
-  from jaxrl.models.hf import HFCheckpointError, UnsupportedModelError
+  from jaxrl.models.hf_checkpoint import HFCheckpointError, UnsupportedModelError
 
   for cls in (ConfigError, RecipeError, HFTokenizerError, BadRow, DataFileError,
               HFCheckpointError):

@@ -8,7 +8,7 @@ adapters as a PEFT adapter directory.
 A run started from `model.hf_path` keeps a copy of that directory's metadata (config, generation
 config, tokenizer files, chat template) under `<run_dir>/hf_base/`. Export restores only the
 policy parameters of a checkpoint (the latest by default) onto one device, writes them with
-`jaxrl.models.hf.save_hf`, then puts the original `config.json` back (with the dtype of the
+`jaxrl.models.hf_checkpoint.save_hf`, then puts the original `config.json` back (with the dtype of the
 exported tensors) and copies the tokenizer files, so the result differs from the starting model
 in its weights only.
 
@@ -52,7 +52,7 @@ def read_run(run_dir: str):
   """`(run_config, hf_config, model_config)` of a run started from a Hugging Face model, without
   reading a checkpoint: `run_config` is the run's saved config (a dict), `hf_config` the starting
   `config.json`, `model_config` the base model's (no LoRA)."""
-  from jaxrl.models import hf as hf_lib
+  from jaxrl.models import hf_checkpoint as hf_lib
 
   base = os.path.join(run_dir, METADATA_DIR)
   config_path = os.path.join(run_dir, "config.json")
@@ -154,7 +154,7 @@ def restore_run(run_dir: str, step: int | None = None):
 def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int, str]:
   """Writes checkpoint `step` (None: the latest) of `run_dir` to `out_dir` in Hugging Face
   format (a LoRA run: merged, see `restore_run`); returns `(step, out_dir)`."""
-  from jaxrl.models import hf as hf_lib
+  from jaxrl.models import hf_checkpoint as hf_lib
 
   _, hf_config, model_cfg, _, step, params = restore_run(run_dir, step)
   hf_lib.save_hf(out_dir, model_cfg, params, architecture=hf_config["architectures"][0])
@@ -171,7 +171,7 @@ def export_hf(run_dir: str, out_dir: str, step: int | None = None) -> tuple[int,
 def _peft_modules(lora_cfg) -> dict[str, str]:
   """LoRA target -> the module path of its layer-`{i}` projection in Hugging Face's names
   (`model.layers.{i}.self_attn.q_proj`), from the one table of tensor names (`hf._hf_layout`)."""
-  from jaxrl.models import hf as hf_lib
+  from jaxrl.models import hf_checkpoint as hf_lib
   from jaxrl.models import lora as lora_lib
 
   layout = hf_lib._hf_layout(lora_cfg)

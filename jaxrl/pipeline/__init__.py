@@ -1,10 +1,10 @@
 """The forced-lag rollout pipeline: the lag pipeline object (`LagPipeline`: gate, params handoff,
 rollout worker, publishing, checkpoint state), the rollout producer that makes its batches,
-in-slot regeneration, dynamic sampling, staleness accounting and the keyed row store (data plane).
-See `gate.py` for the lag contract and `data_plane.py` for the key/field/partition model."""
+in-slot regeneration, dynamic sampling, staleness accounting and the keyed row store (the data
+plane). See `gate.py` for the lag contract and `row_store.py` for the key/field/partition model."""
 
 from jaxrl.pipeline.batch_meta import PARTITIONS, BatchMeta, balance_rows
-from jaxrl.pipeline.data_plane import DataPlane
+from jaxrl.pipeline.row_store import DataPlane
 from jaxrl.pipeline.gate import LagGate, PipelineClosed, StallError, WorkerFailed
 from jaxrl.pipeline.handoff import ParamsHandoff, VersionUnavailable
 from jaxrl.pipeline.lag import LagPipeline

@@ -29,7 +29,7 @@ from jaxrl.data import left_pad
 from jaxrl.data.sources import CheckedSource, RowProblem, SkipReport
 from jaxrl.envs import make_env
 from jaxrl.models import ModelConfig, abstract_model, init_model
-from jaxrl.models import hf as hf_lib
+from jaxrl.models import hf_checkpoint as hf_lib
 from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
 from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,

@@ -23,7 +23,7 @@ from jaxrl.runtime import checkpoint
 from jaxrl import config as config_lib
 from jaxrl import parallel
 from jaxrl.models import ModelConfig, abstract_model
-from jaxrl.models import hf as hf_lib
+from jaxrl.models import hf_checkpoint as hf_lib
 from jaxrl.recipes import default as default_config
 from jaxrl.run.inputs import make_tokenizer, task_source
 
