@@ -38,7 +38,7 @@ CORRECTION_KEYS = CORRECTION_CAPS + CORRECTION_BAND_KEYS
 INTERVAL_BANDS = tuple(b for b in CORRECTION_BANDS if b != "dppo_delta")
 # jaxrl.learner.step: learning-rate schedules.
 LR_SCHEDULES = ("constant", "cosine", "linear")
-# jaxrl.models.transformer: rematerialisation policies of a training forward pass.
+# jaxrl.models.model_config: rematerialisation policies of a training forward pass.
 REMAT_POLICIES = ("none", "full", "dots")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)

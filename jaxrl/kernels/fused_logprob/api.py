@@ -1,7 +1,7 @@
 """One entry point for the fused log-prob + rollout-KL kernel; implementations share a signature.
 
     z = (hidden @ unembedding) / t        float32; t = T where T > 0, else 1 (greedy)
-    logp = z[target] - logsumexp(z)       == jaxrl.models.transformer.token_logprobs
+    logp = z[target] - logsumexp(z)       == jaxrl.models.logprobs.token_logprobs
     entropy = logsumexp(z) - sum_v softmax(z)_v z_v
     rollout_kl = kl_estimate(logp, rollout_logprobs, estimator, mask)   # jaxrl.losses.kl
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 def effective_temperature(temperature, n: int) -> jax.Array:
   """float32 `[n]` divisor: `T` where `T > 0`, else 1 (greedy decoding scores at `T = 1`).
 
-  Matches `jaxrl.models.transformer.scale_logits`. No gradient flows to the temperature.
+  Matches `jaxrl.models.logprobs.scale_logits`. No gradient flows to the temperature.
   """
   t = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
   t = jnp.where(t > 0, t, 1.0)
