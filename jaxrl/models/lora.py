@@ -157,6 +157,24 @@ def _cast_jit(dtype):
   return _JITS[key]
 
 
+class SeenBase:
+  """Whether a LoRA model's frozen base is other arrays than the ones last seen: a publisher
+  moves the base to the samplers once, and again only when the train state holds another one
+  (e.g. after a restore). Compared by identity: the train step never changes the base's arrays."""
+
+  def __init__(self):
+    self._leaves: list | None = None
+
+  def changed(self, base) -> bool:
+    """True (and `base` remembered) when `base` is not the base seen last."""
+    leaves = jax.tree.leaves(base)
+    if self._leaves is not None and len(leaves) == len(self._leaves) and all(
+        a is b for a, b in zip(leaves, self._leaves)):
+      return False
+    self._leaves = leaves
+    return True
+
+
 class AdapterSync:
   """The sampler's copy of each published version of a LoRA model, moving adapter bytes only.
 
@@ -174,20 +192,17 @@ class AdapterSync:
 
   def __init__(self, model_cfg: ModelConfig, move, dtype=None):
     self.model_cfg, self.move, self.dtype = model_cfg, move, dtype
-    self._src: list | None = None
+    self._seen = SeenBase()
     self._base = self._rest = None
     self.last_moved_bytes = 0
     self.base_bytes = 0
 
   def __call__(self, params: nnx.State) -> nnx.State:
     adapters, base = split(params)
-    leaves = jax.tree.leaves(base)
     moved = 0
-    if self._src is None or len(leaves) != len(self._src) or any(
-        a is not b for a, b in zip(leaves, self._src)):
+    if self._seen.changed(base):
       self._base = self.move(base)
       self._rest = unadapted(self.model_cfg, self._base, self.dtype)
-      self._src = leaves
       self.base_bytes = nbytes(base)
       moved += self.base_bytes
     adapters = self.move(adapters)

@@ -43,7 +43,7 @@ from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
 from jaxrl.pipeline.staleness import row_versions
 from jaxrl.rollout.multi_turn import Episodes
-from jaxrl.rollout.precision import cast_first, cast_params, needs_cast, rollout_dtype
+from jaxrl.rollout.precision import moved_copy, rollout_dtype
 from jaxrl.core.types import TrainBatch
 
 # Per-row outcomes of `Episodes` kept as host tags of a batch's metadata, not device fields.
@@ -78,10 +78,8 @@ class ProcessShare:
     so the trainer thread calls it at the same point on every process. A narrower dtype is cast
     before the gather (a global program too: half the bytes gathered), a wider one after it, on
     this process's devices."""
-    if cast_first(params, self.dtype):
-      params = cast_params(params, self.dtype)
-    out = parallel.distributed.publish_local(params, self.train_mesh, self.mesh)
-    return cast_params(out, self.dtype) if needs_cast(out, self.dtype) else out
+    return moved_copy(params, self.dtype, lambda p: parallel.distributed.publish_local(
+        p, self.train_mesh, self.mesh))
 
 
 def process_share(parts) -> ProcessShare | None:

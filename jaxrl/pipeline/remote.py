@@ -29,7 +29,7 @@ from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides
 from jaxrl.pipeline.producer import LocalRows, ProcessShare, RingItem, RolloutProducer, combine
 from jaxrl.pipeline.worker import params_version
-from jaxrl.rollout.precision import rollout_dtype
+from jaxrl.rollout.precision import cast_first, rollout_dtype
 
 
 def rollout_share(parts, mesh_shape) -> ProcessShare | None:
@@ -66,11 +66,9 @@ def run_channel() -> bridge_lib.Channel:
 def wire_dtype(cfg, template):
   """The dtype params travel in: the samplers' (`rollout.dtype`) where it is narrower than the
   trainer's, else the trainer's (a wider one is cast on arrival)."""
-  trainer = jax.tree.leaves(template)[0].dtype
   d = rollout_dtype(cfg)
-  if d is not None and np.dtype(d).itemsize < np.dtype(trainer).itemsize:
-    return np.dtype(d)
-  return np.dtype(trainer)
+  # The rule of every publish (`precision.moved_copy`): cast before the move when narrower.
+  return np.dtype(d) if cast_first(template, d) else np.dtype(jax.tree.leaves(template)[0].dtype)
 
 
 class Versions:
@@ -108,7 +106,7 @@ class Versions:
     mesh = parts.rollout_mesh
     self.shardings = {"base": parallel.param_shardings(full, mesh),
                       "adapters": parallel.param_shardings(adapters, mesh)}
-    self._sent: list | None = None  # the base leaves last sent (train side)
+    self._sent = lora_lib.SeenBase()  # the base last sent (train side)
     self._base = self._rest = None  # the base and its unadapted weights there (rollout side)
 
   @property
@@ -131,11 +129,8 @@ class Versions:
       self._inflight = self.whole.send(params)
       return "whole"
     adapters, base = lora_lib.split(params)
-    leaves = jax.tree.leaves(base)
-    if self._sent is None or len(leaves) != len(self._sent) or any(
-        a is not b for a, b in zip(leaves, self._sent)):
+    if self._sent.changed(base):
       self._inflight = self.base.send(params)
-      self._sent = leaves
       return "base"
     self._inflight = self.adapters.send(adapters)
     return "adapters"

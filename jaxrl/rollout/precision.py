@@ -56,6 +56,20 @@ def needs_cast(params, dtype: str | None) -> bool:
       for x in jax.tree.leaves(params))
 
 
+def moved_copy(params, dtype: str | None, move):
+  """The samplers' own copy of `params`: `move(params)` (a reshard, a copy onto each process's
+  devices, or the identity when colocated) in `dtype`, with new buffers however it moves.
+
+  The one rule for where the cast goes: before the move when `dtype` is narrower than the
+  params (the move carries fewer bytes, and the destination never holds the wide copy), after it
+  otherwise; a move that returns its input (colocated) is followed by a copy, so the result
+  survives the train step's donation of `params`."""
+  if cast_first(params, dtype):
+    return move(cast_params(params, dtype))
+  moved = move(params)
+  return cast_params(moved, dtype) if needs_cast(moved, dtype) or moved is params else moved
+
+
 def cast_params(params, dtype: str | None):
   """A fresh copy of `params` (a pytree of `jax.Array`s, e.g. an `nnx.State`) with every floating
   leaf cast to `dtype` (None: kept as it is) and every leaf on its own sharding.

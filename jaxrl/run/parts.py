@@ -32,8 +32,7 @@ from jaxrl.models import ModelConfig, abstract_model, init_model
 from jaxrl.models import hf_checkpoint as hf_lib
 from jaxrl.pipeline import DataPlane
 from jaxrl.rollout.multi_turn import Budget, MultiTurn
-from jaxrl.rollout.precision import (cast_first, cast_params, needs_cast, rollout_dtype,
-                                     rollout_model)
+from jaxrl.rollout.precision import moved_copy, rollout_dtype, rollout_model
 from jaxrl.parallel.sides import sides as remote_sides
 from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.learner.step import shard_params
@@ -107,13 +106,7 @@ class Parts:
     copy on its own devices, `share.publish`, which casts the same way."""
     if share is not None:
       return share.publish(params)
-    d = rollout_dtype(self.cfg)
-    if self.rollout_mesh is self.mesh:
-      return cast_params(params, d)
-    if cast_first(params, d):
-      return self.for_rollout(cast_params(params, d))
-    moved = self.for_rollout(params)
-    return cast_params(moved, d) if needs_cast(moved, d) or moved is params else moved
+    return moved_copy(params, rollout_dtype(self.cfg), self.for_rollout)
 
   def row_problem(self, task) -> RowProblem | None:
     """What makes a task row unusable, as (reason, detail, size), or None."""
