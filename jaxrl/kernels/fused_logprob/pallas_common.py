@@ -1,10 +1,13 @@
 """What both Pallas layouts of the fused log-prob share (`pallas_tpu`, `pallas_gpu`): the
-default block sizes, the zero padding of per-row operands, and when to interpret.
+default block sizes, the zero padding of per-row operands, when to interpret, and the gradient
+rule's wiring (`with_gradient`).
 
 `api.pallas_fused_logprob` picks the layout; see each layout's module docstring for its kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,3 +40,30 @@ def default_interpret(*xs):
     return pltpu.InterpretParams()
   return True
 
+
+def with_gradient(forward, backward):
+  """`core(h, w, targets, t, a, b, with_entropy, interpret) -> (logp, entropy)`: a layout's
+  `forward(h, w, targets, t, a, b, with_entropy, interpret) -> (logp, entropy, lse)` with its
+  `backward(h, w, targets, t, lse, entropy, g_lp, g_ent, a, b, interpret) -> (dh, dw)` as the
+  gradient rule (`a`, `b`: the layout's block sizes, static). No gradient flows to the targets;
+  the temperature's is zero."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+  def core(h, w, targets, t, a, b, with_entropy, interpret):
+    logp, entropy, _ = forward(h, w, targets, t, a, b, with_entropy, interpret)
+    return logp, entropy
+
+  def core_fwd(h, w, targets, t, a, b, with_entropy, interpret):
+    logp, entropy, lse = forward(h, w, targets, t, a, b, with_entropy, interpret)
+    return (logp, entropy), (h, w, targets, t, lse, entropy)
+
+  def core_bwd(a, b, with_entropy, interpret, res, cts):
+    h, w, targets, t, lse, entropy = res
+    g_lp, g_ent = cts
+    if g_ent is None:
+      g_ent = jnp.zeros_like(g_lp)
+    dh, dw = backward(h, w, targets, t, lse, entropy, g_lp, g_ent, a, b, interpret)
+    return dh, dw, None, jnp.zeros_like(t)
+
+  core.defvjp(core_fwd, core_bwd)
+  return core

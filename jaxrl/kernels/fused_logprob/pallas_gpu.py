@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from jaxrl.kernels.fused_logprob import common, xla
 from jaxrl.kernels.fused_logprob.pallas_common import (DEFAULT_BLOCK_V, col, default_interpret,
-                                                       pad_rows)
+                                                       pad_rows, with_gradient)
 
 # Shared memory a kernel's smallest tiles may need (an H100 has 227 KiB per kernel).
 GPU_SMEM_BUDGET = 200 * 1024
@@ -231,27 +231,7 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, int
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _core(h, w, targets, t, block_v, block_n, with_entropy, interpret):
-  logp, entropy, _ = _forward(h, w, targets, t, block_v, block_n, with_entropy, interpret)
-  return logp, entropy
-
-
-def _core_fwd(h, w, targets, t, block_v, block_n, with_entropy, interpret):
-  logp, entropy, lse = _forward(h, w, targets, t, block_v, block_n, with_entropy, interpret)
-  return (logp, entropy), (h, w, targets, t, lse, entropy)
-
-
-def _core_bwd(block_v, block_n, with_entropy, interpret, res, cts):
-  h, w, targets, t, lse, entropy = res
-  g_lp, g_ent = cts
-  if g_ent is None:
-    g_ent = jnp.zeros_like(g_lp)
-  dh, dw = _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, interpret)
-  return dh, dw, None, jnp.zeros_like(t)
-
-
-_core.defvjp(_core_fwd, _core_bwd)
+_core = with_gradient(_forward, _backward)
 
 
 _warned_wide = []

@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 
 from jaxrl.kernels.fused_logprob import common
 from jaxrl.kernels.fused_logprob.pallas_common import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_V, col,
-                                                       default_interpret, pad_rows)
+                                                       default_interpret, pad_rows,
+                                                       with_gradient)
 
 
 def _compiler_params(interpret):
@@ -201,27 +202,7 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret):
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _core(h, w, targets, t, bn, bv, with_entropy, interpret):
-  logp, entropy, _ = _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
-  return logp, entropy
-
-
-def _core_fwd(h, w, targets, t, bn, bv, with_entropy, interpret):
-  logp, entropy, lse = _forward(h, w, targets, t, bn, bv, with_entropy, interpret)
-  return (logp, entropy), (h, w, targets, t, lse, entropy)
-
-
-def _core_bwd(bn, bv, with_entropy, interpret, res, cts):
-  h, w, targets, t, lse, entropy = res
-  g_lp, g_ent = cts
-  if g_ent is None:
-    g_ent = jnp.zeros_like(g_lp)
-  dh, dw = _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, bn, bv, interpret)
-  return dh, dw, None, jnp.zeros_like(t)
-
-
-_core.defvjp(_core_fwd, _core_bwd)
+_core = with_gradient(_forward, _backward)
 
 
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
