@@ -185,3 +185,12 @@ def test_module_and_function_sizes():
         if n > 100 and not (m.startswith("jaxrl.recipes.") and node.name == "get_config"):
           too_long.append(f"{m}.{node.name}: {n} lines")
   assert not too_long, "\n".join(too_long)
+
+
+def test_the_loop_is_short():
+  # The run's successor of the old 523-line trainer, and the RL loop itself.
+  assert len(MODULES["jaxrl.run.driver"].read_text().splitlines()) <= 300
+  tree = ast.parse(MODULES["jaxrl.run.loop"].read_text())
+  rl = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "rl")
+  assert rl.end_lineno - rl.lineno + 1 <= 80
+  assert len(rl.args.args) + len(rl.args.kwonlyargs) <= 6
