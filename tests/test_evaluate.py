@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from jaxrl import config as config_lib
+from jaxrl import recipes
 from jaxrl.cli import evaluate
 from jaxrl.run import driver
 from jaxrl.recipes.default import get_config
@@ -121,7 +122,7 @@ def test_a_hugging_face_directory_on_another_split_with_pass_at_k(tmp_path):
   data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
                           + "\n" for a in range(4) for b in range(5)))
   out = tmp_path / "eval.json"
-  recipe = os.path.join(os.path.dirname(evaluate.__file__), "configs", "qwen2_5_0_5b_gsm8k.py")
+  recipe = os.path.join(os.path.dirname(recipes.__file__), "qwen2_5_0_5b_gsm8k.py")
   assert evaluate.main([
       "--hf", path, "--config", recipe, "--task", "math", "--split", "train", "--samples", "2",
       "--temperature", "1.0", "--batch-size", "8", "--out", str(out),
