@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.core.names import CORRECTIONS, WEIGHTING
+from jaxrl.core.names import CORRECTION_KEYS, CORRECTIONS, WEIGHTING, check_registry
 _LOG_CLAMP = 20.0
 
 
@@ -77,6 +77,12 @@ class Correction(NamedTuple):
   weight: jax.Array  # [B, N] float32, constant
   keep: jax.Array  # [B, N] bool
   metrics: dict  # name -> (sum, count) pairs, already restricted to valid tokens / rows
+
+
+# The config keys (`loss.<key>`, `core.names.CORRECTION_KEYS`) are `CorrectionParams`' fields, in order: a
+# field added here without its key fails at import, not when a run builds its step.
+check_registry("CORRECTION_KEYS", CORRECTION_KEYS,
+               [f.name for f in dataclasses.fields(CorrectionParams)])
 
 
 def _delta(lp_old, lp_gen, mask):
