@@ -79,8 +79,8 @@ class Correction(NamedTuple):
   metrics: dict  # name -> (sum, count) pairs, already restricted to valid tokens / rows
 
 
-# The config keys (`loss.<key>`, `core.names.CORRECTION_KEYS`) are `CorrectionParams`' fields, in order: a
-# field added here without its key fails at import, not when a run builds its step.
+# The config keys (`loss.<key>`, `core.names.CORRECTION_KEYS`) are `CorrectionParams`' fields,
+# in order: a field added without its key fails at import, not when a run builds its step.
 check_registry("CORRECTION_KEYS", CORRECTION_KEYS,
                [f.name for f in dataclasses.fields(CorrectionParams)])
 
