@@ -26,6 +26,7 @@ the exchange itself does the same (`remote.Versions`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -139,6 +140,8 @@ class Feed:
   eval_on_train: bool
   asynchronous_eval: bool  # evaluation may run on a thread (one process only)
   lora: object = None  # the LoRA model config, or None
+  # A stop asked for on another process (a signal that reached a rollout process), or None.
+  stop_elsewhere: Callable[[], bool] | None = None
 
   def eval_params(self, published, train_params):
     """The params an evaluation pass of this version generates with."""
@@ -146,13 +149,10 @@ class Feed:
       return published
     return train_params if self.lora is None else lora_lib.merge(self.lora, train_params)
 
-  def stop(self, asked):
-    """The loop's stop test: `asked()` (a signal here), or a signal that reached a rollout
-    process, which says so on the channel."""
-    if isinstance(self.producer, remote.Receiver):
-      channel = self.producer.channel
-      return lambda: asked() or channel.has("stop")
-    return asked
+  def stop(self, asked: Callable[[], bool]) -> Callable[[], bool]:
+    """The loop's stop test: `asked()` (a signal here), or `stop_elsewhere()`."""
+    elsewhere = self.stop_elsewhere
+    return asked if elsewhere is None else (lambda: asked() or elsewhere())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +210,10 @@ class Topology:
       versions = remote.Versions(parts, self.mesh_shape, params)
       sender = remote.Sender(versions, remote.run_channel(), main)
       producer = remote.Receiver(parts, sender.channel, versions.K)
+      # A signal that reaches a rollout process is said on the channel (`jaxrl.run.actor`).
       return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
-                  inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora)
+                  inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora,
+                  stop_elsewhere=lambda: sender.channel.has("stop"))
     share = process_share(parts)
     producer = RolloutProducer(parts, parts.train_loop(newest, share and share.mesh), share)
     publisher = LocalPublisher(parts) if share is None else ProcessPublisher(parts, share)
