@@ -88,6 +88,11 @@ CASES = {
                 "def get_config():\n  c = base()\n  c.train.steps = {}[\"steps\"]\n  return c\n"),
         ["jaxrl: config file recipe.py: get_config() raised KeyError at line 5",
          "'steps'"]),
+    # A recipe written before jaxrl's modules moved into folders by role.
+    "config_file_imports_a_moved_module": (
+        _recipe("from jaxrl.configs.default import get_config\n"),
+        ["jaxrl: config file recipe.py: raised ModuleNotFoundError at line 1",
+         "(jaxrl.configs is now jaxrl.recipes)"]),
     # The run directory.
     "run_dir_is_a_file": (
         lambda d: [f"--config.run_dir={_lines(d / 'taken', b'x')}"],

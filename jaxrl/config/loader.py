@@ -34,6 +34,22 @@ def _recipe_line(tb, path: str) -> str:
   return f" at line {lines[-1]}" if lines else ""
 
 
+# Modules a recipe imports that moved when jaxrl's modules went into folders by role.
+MOVED = {"jaxrl.configs": "jaxrl.recipes", "jaxrl.config_schema": "jaxrl.config.schema",
+         "jaxrl.parts": "jaxrl.run.parts", "jaxrl.trainer": "jaxrl.run.driver",
+         "jaxrl.types": "jaxrl.core.types", "jaxrl.names": "jaxrl.core.names",
+         "jaxrl.errors": "jaxrl.core.errors"}
+
+
+def _moved_hint(e: Exception) -> str:
+  """"; <old> is now <new>" when `e` is the import of a module that moved, else ""."""
+  name = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+  for old, new in MOVED.items():
+    if name is not None and (name == old or name.startswith(old + ".")):
+      return f" ({old} is now {new})"
+  return ""
+
+
 def load_recipe(path: str) -> ConfigDict:
   """The config that the recipe file `path` returns from `get_config()`.
 
@@ -67,7 +83,7 @@ def load_recipe(path: str) -> ConfigDict:
     raise RecipeError(f"{where}: cannot be read: {e.strerror or e}") from e
   except Exception as e:
     raise RecipeError(f"{where}: raised {type(e).__name__}{_recipe_line(e.__traceback__, file)} "
-                      f"while loading: {e}") from e
+                      f"while loading: {e}{_moved_hint(e)}") from e
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
     names = [n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n])]
