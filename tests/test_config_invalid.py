@@ -26,6 +26,8 @@ CASES = [
      "divisible by config.model.num_kv_heads"),
     ("odd_head_dim", ["--config.model.head_dim=33"], ["model.head_dim"], "even"),
     ("unknown_dtype", ["--config.model.dtype=float8"], ["model.dtype"], "must be one of"),
+    ("unknown_attention", ["--config.model.attention=flash"], ["model.attention"],
+     "must be one of ['auto', 'dense', 'xla']"),
     ("zero_width", ["--config.model.d_model=0"], ["model.d_model"], "must be >= 1, got 0"),
     ("nan_float", ["--config.model.rms_eps=nan"], ["model.rms_eps"], "must be finite, got nan"),
     ("bool_not_parsable", ["--config.model.qkv_bias=maybe"], ["model.qkv_bias"],

@@ -19,9 +19,10 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxrl.core.errors import UserError
-from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, CORRECTION_BAND_KEYS, CORRECTION_CAPS, DTYPES,
-                              KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS, LR_SCHEDULES,
-                              POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES, REWARD_FIELDS)
+from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, ATTENTION_IMPLS, CORRECTION_BAND_KEYS,
+                              CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
+                              LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
+                              REWARD_FIELDS)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 PREFIX = "config."
@@ -154,6 +155,7 @@ RULES: list[tuple[str, Rule]] = [
     ("model.param_dtype", _one_of(DTYPES)),
     ("model.dtype", _one_of(DTYPES)),
     ("model.remat", _one_of(set(REMAT_POLICIES))),
+    ("model.attention", _one_of(ATTENTION_IMPLS)),
     ("model.init_std", _gt(0)),
     ("model.lora.rank", _ge(0)),
     ("model.lora.alpha", _gt(0)),

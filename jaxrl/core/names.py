@@ -40,6 +40,11 @@ INTERVAL_BANDS = tuple(b for b in CORRECTION_BANDS if b != "dppo_delta")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 # jaxrl.models.model_config: rematerialisation policies of a training forward pass.
 REMAT_POLICIES = ("none", "full", "dots")
+# jaxrl.models.model_config: the attention of a forward pass without a KV cache
+# (`model.attention`); "auto" picks one per backend when the forward is traced.
+ATTENTION_IMPLS = ("auto", "dense", "xla")
+# jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
+ATTENTION_KERNELS = ("reference", "xla")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)
 DTYPES = ("float32", "bfloat16", "float16")

@@ -32,6 +32,26 @@ REMAT_POLICIES = {
 }
 names.check_registry("REMAT_POLICIES", names.REMAT_POLICIES, REMAT_POLICIES)
 
+# The attention of a forward pass without a KV cache (`ModelConfig.attention`).
+ATTENTION_IMPLS = names.ATTENTION_IMPLS
+
+
+def resolve_attention(choice: str, backend: str | None = None) -> str:
+  """"dense" or "xla" for `ModelConfig.attention` `choice` on `backend` (None: JAX's default
+  backend, read when the forward is traced).
+
+  "auto" is "dense" on CPU: there it is the fastest (its own gradient rule,
+  `layers.attention`), and the default run stays bit for bit what it was. Elsewhere "xla"
+  (`jaxrl.kernels.attention`, blockwise): memory linear in the sequence instead of a
+  [rows, heads, T, T] score tensor per layer. No GPU or TPU has run it yet.
+  """
+  if choice not in ATTENTION_IMPLS:
+    raise ValueError(f"attention={choice!r} is not one of {ATTENTION_IMPLS}")
+  if choice != "auto":
+    return choice
+  backend = jax.default_backend() if backend is None else backend
+  return "dense" if backend == "cpu" else "xla"
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -71,6 +91,11 @@ class ModelConfig:
   # rest. Same values either way; only forward passes without a KV cache (training, scoring) use
   # it.
   remat: str = "none"
+  # The attention of forward passes without a KV cache (training, scoring, `grouped_forward`):
+  # "dense" (`layers.attention`, a dense mask), "xla" (`jaxrl.kernels.attention`, blockwise,
+  # memory linear in the sequence) or "auto" (`resolve_attention`: "dense" on CPU, "xla"
+  # elsewhere, untested on GPU/TPU so far). Prefill and decode with a cache stay dense.
+  attention: str = "auto"
   # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
   # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`
   # (`names.LORA_TARGETS`), whose product scaled by `lora_alpha / lora_rank` is added to that
@@ -85,6 +110,7 @@ class ModelConfig:
     # "none" somewhere, or fail deep inside jit.
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
+    resolve_attention(self.attention, "cpu")  # raises on an unknown name
     unknown = set(self.lora_targets) - set(names.LORA_TARGETS)
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "

@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.attention import attention as kernel_attention
 from jaxrl.models.layers import (apply_rope, attention, config_inv_freq, decode_attention,
                                  embed_lookup, lora_dense, lora_dims, matmul_rows, rms_norm,
                                  rope_tables, stacked_lora, streamed_matmul)
 from jaxrl.models.logprobs import continuation_positions, left_positions
-from jaxrl.models.model_config import DTYPES, REMAT_POLICIES, KVCache, ModelConfig
+from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
+                                       resolve_attention)
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 
@@ -132,6 +134,8 @@ class Transformer(nnx.Module):
     the loop. `lora_dropout_key` (training only) turns on `lora_dropout`. `attend(q, k, v)`
     (no cache; `grouped_forward` uses it) replaces the causal attention over `tokens`: q
     [B, T, H, Dh] and k, v [B, T, K, Dh] after bias, norm and rotary in, [B, T, H, Dh] out.
+    Without a cache the attention is `cfg.attention`'s (`resolve_attention`); with one,
+    always the dense `layers.attention`.
     """
     if cache is not None and attend is not None:
       raise ValueError("attend replaces the attention over the tokens; it takes no cache")
@@ -149,6 +153,14 @@ class Transformer(nnx.Module):
     # it as a buffer instead of recomputing both per element inside every fusion that reads it
     # (the rotary backward's fusions re-evaluated them for each head; issue 22's train step).
     cos, sin = jax.lax.optimization_barrier(rope_tables(positions, config_inv_freq(cfg)))
+    if cache is None and attend is None and resolve_attention(cfg.attention) == "xla":
+      # Each row's own tokens, as the dense mask above: a real token attends the real slots up
+      # to its own (segment 0, position = slot); a padding query attends nothing (uniform
+      # average, never read: the callers mask padding out of every loss and output). With a
+      # cache (prefill, decode: the sampler's path) attention stays dense for now.
+      seg = jnp.where(valid, 0, -1)
+      slot = jnp.broadcast_to(jnp.arange(T), (B, T))
+      attend = _kernel_attend(seg, slot, None)
     adapters = self.lora_weights()
     dropout = cfg.lora_dropout if lora_dropout_key is not None else 0.0
     run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key)
@@ -261,7 +273,9 @@ class Transformer(nnx.Module):
     repeated to every row: on XLA's CPU backend the prompts' own small products, their
     gradients, the cache copies and the two passes' weight-gradient sums cost more than their
     FLOPs (issue 22's train step). The attention splits each packed row again: the prompt over
-    itself, each continuation over its prompt's keys and its own.
+    itself, each continuation over its prompt's keys and its own (dense masks; with
+    `cfg.attention` resolving to "xla", one blockwise kernel call over the whole packed row,
+    the split expressed as segments).
     """
     cfg = self.cfg
     n, lp = prompts.shape
@@ -271,6 +285,28 @@ class Transformer(nnx.Module):
     group = b // n
     positions = continuation_positions(prompt_valid, valid, group)
     pack = lambda a, c: jnp.concatenate([a, c.reshape(n, group * t)], axis=1)  # [N, Lp + G T]
+    packed_positions = pack(left_positions(prompt_valid), positions)
+    if resolve_attention(cfg.attention) == "xla":
+      # The same mask as segments (`jaxrl.kernels.attention`'s group layout): the prompt is
+      # segment 0 and shared, continuation g of a group segment g + 1, padding -1. Padding
+      # queries then attend nothing (the dense masks let some see keys); no output reads them.
+      seg_c = jnp.where(valid, jnp.tile(jnp.arange(1, group + 1), n)[:, None], -1)
+      seg = pack(jnp.where(prompt_valid, 0, -1), seg_c)
+      shared = pack(prompt_valid, jnp.zeros_like(valid))
+      attend = _kernel_attend(seg, packed_positions, shared)
+    else:
+      attend = self._grouped_dense_attend(prompt_valid, valid)
+    hidden, _ = self(pack(prompts, tokens), packed_positions, pack(prompt_valid, valid),
+                     lora_dropout_key=lora_dropout_key, attend=attend)
+    return hidden[:, :lp], hidden[:, lp:].reshape(b, t, -1)
+
+  def _grouped_dense_attend(self, prompt_valid: jax.Array, valid: jax.Array) -> Callable:
+    """`grouped_forward`'s dense attention (`layers.attention`) of a packed row: the prompt
+    over itself, each continuation over its prompt's keys and its own."""
+    cfg = self.cfg
+    n, lp = prompt_valid.shape
+    b, t = valid.shape
+    group = b // n
     K, G, dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     scale = dh ** -0.5
     causal_p = jnp.arange(lp)[None, :] <= jnp.arange(lp)[:, None]
@@ -294,9 +330,7 @@ class Transformer(nnx.Module):
       back = lambda o: o.transpose(0, 3, 1, 2, 4).reshape(n, -1, cfg.num_heads, dh)
       return jnp.concatenate([back(o_p), back(o_c)], axis=1)
 
-    hidden, _ = self(pack(prompts, tokens), pack(left_positions(prompt_valid), positions),
-                     pack(prompt_valid, valid), lora_dropout_key=lora_dropout_key, attend=attend)
-    return hidden[:, :lp], hidden[:, lp:].reshape(b, t, -1)
+    return attend
 
   def unembedding(self) -> jax.Array:
     """[D, V] output projection (the transposed embedding when tied)."""
@@ -341,6 +375,14 @@ def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Ar
   causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
   mask = causal[None, None, None] & key_valid[:, None, None, None, :]  # [B, 1, 1, T, S]
   return key_valid, mask
+
+
+def _kernel_attend(seg: jax.Array, pos: jax.Array, shared: jax.Array | None) -> Callable:
+  """`attend(q, k, v)` over `jaxrl.kernels.attention`'s "xla" implementation (blockwise,
+  memory linear in the sequence), with each token's segment and position [B, T] (keys are the
+  queries' own tokens) and the shared flags of a group's prompt (or None)."""
+  return lambda q, k, v: kernel_attention(q, k, v, seg, pos, seg, pos, shared,
+                                          implementation="xla")
 
 
 def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:

@@ -90,6 +90,7 @@ def get_config() -> ConfigDict:
   c.model.init_std = 0.02
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
   c.model.remat = "none"  # recompute each layer in the backward pass: "none" | "full" | "dots"
+  c.model.attention = "auto"  # training/scoring attention: "auto" (CPU: dense) | "dense" | "xla"
   # LoRA for the RL phase (rank 0: off, every parameter trains). With a rank, RL trains only
   # low-rank adapters (Flax NNX `nnx.LoRA`, f32) on the `targets` projections of every layer;
   # the base stays frozen, the optimizer holds state for the adapters alone, and a published

@@ -115,4 +115,5 @@ def _hf(path: str, cfg: ConfigDict, mesh):
                                                 scan_layers=cfg.model.scan_layers)
   except (hf_lib.HFCheckpointError, ValueError, NotImplementedError) as e:
     raise config_lib.ConfigError([f"{KEY}: {e}"]) from None
-  return dataclasses.replace(model_cfg, dtype=cfg.model.dtype), tensors, params
+  return (dataclasses.replace(model_cfg, dtype=cfg.model.dtype, attention=cfg.model.attention),
+          tensors, params)

@@ -32,10 +32,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import names
 from jaxrl.kernels.attention import reference, xla
 
 IMPLEMENTATIONS = ("reference", "xla")
 _FUNCTIONS = {"reference": reference.attention, "xla": xla.attention}
+names.check_registry("ATTENTION_KERNELS", names.ATTENTION_KERNELS, IMPLEMENTATIONS)
+names.check_registry("ATTENTION_KERNELS", names.ATTENTION_KERNELS, _FUNCTIONS)
 
 
 def default_impl() -> str:
