@@ -12,7 +12,7 @@ advantages, no KL, AdamW lr 1e-3 constant (0.9, 0.999, 1e-8), clip-norm 1.0, one
 one optimiser step per step, 100 steps, f32 on the CPU.
 
 - TRL: TRL 1.16's `GRPOTrainer` in a subprocess of a separate virtualenv (`--trl-python`, default
-  /work/trl-venv/bin/python: torch 2.13.0 CPU, trl 1.16.0). A `TrainerCallback` takes each
+  ~/trl-venv/bin/python: torch 2.13.0 CPU, trl 1.16.0). A `TrainerCallback` takes each
   step's wall time (`on_step_begin` to `on_step_end`: generation, reward, loss, backward and the
   optimiser step; logging is after it) and the rollout part is timed by wrapping the trainer's
   `_generate_and_score_completions` (generation, decoding, reward, advantages), so
@@ -45,9 +45,9 @@ setups, and the exact commands.
 
 One-time setup of the TRL side (its own virtualenv, so the project's stays as it is):
 
-  python3.11 -m venv /work/trl-venv
-  /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 numpy psutil
-  /work/trl-venv/bin/pip install -e ".[hf]"      # or: pip install -e ".[trl]" into any venv
+  python3.11 -m venv ~/trl-venv
+  ~/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 numpy psutil
+  ~/trl-venv/bin/pip install -e ".[hf]"      # or: pip install -e ".[trl]" into any venv
 
 The script itself runs under the project's Python (jaxrl, psutil); it calls itself under the TRL
 Python for the model files (`make-model`) and for each TRL run (`trl-worker`), and never imports
@@ -73,7 +73,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RECIPE = os.path.join(HERE, "vs_trl_recipe.py")
-DEFAULT_TRL_PYTHON = "/work/trl-venv/bin/python"
+# TRL's venv: $JAXRL_TRL_PYTHON, else ~/trl-venv (the setup above); --trl-python overrides both.
+DEFAULT_TRL_PYTHON = os.environ.get("JAXRL_TRL_PYTHON") or os.path.expanduser(
+    "~/trl-venv/bin/python")
 
 # The workload (issue 22). Ids follow this order: <pad> 0, <bos> 1, <eos> 2, "0".."9" 3..12, ...
 TOKENS = ["<pad>", "<bos>", "<eos>", *"0123456789", "+", "=", "-"]
