@@ -27,7 +27,7 @@ after a resume.
 Several processes: a producer with `globalize(item) -> item` makes process-local items (each
 process its share of the batch, on its own devices; `jaxrl.pipeline.producer`). The worker thread
 then never launches a program that spans processes; everything global is the caller's thread's,
-in the same order on every process: `publish` (the `prepare` copy onto each process's rollout
+in the same order on every process: `publish` (the publisher's copy onto each process's rollout
 mesh), and `globalize` of each batch when it is pulled (or, for a checkpoint, in `state_dict`,
 in batch order). Counters a globalized item carries are added when it is globalized.
 """
@@ -44,17 +44,16 @@ from jaxrl.pipeline.worker import InlineWorker, RolloutWorker
 class LagPipeline:
 
   def __init__(self, producer, lag: int, *, stall_timeout_s: float = 600.0,
-               inline: bool = False, prepare: Callable | None = None,
-               handoff: ParamsHandoff | None = None, name: str = "rollout-worker",
-               publisher: Callable | None = None):
+               inline: bool = False, publisher: Callable | None = None,
+               handoff: ParamsHandoff | None = None, name: str = "rollout-worker"):
     """`producer`: see the module docstring (a bare `produce` callable works without
     checkpoints). An item with a `counts` mapping adds it to the cumulative counters of
     `stats()` when delivered. `inline`: produce in the caller's thread just before each pull
-    (same batches, versions and staleness; no overlap). `prepare(params)`: what is published for
-    `params` (a copy the train step cannot donate, or a reshard onto the rollout mesh); default
-    as given. `publisher(version, params)`: the same with the version (`jaxrl.run.topology`'s
-    publishers; it replaces `prepare`). `handoff`: the params handoff to publish to, when the
-    producer was built reading it (partial rollouts read `handoff.latest`); default a new one.
+    (same batches, versions and staleness; no overlap). `publisher(version, params)`: what is
+    published for `params` (a copy the train step cannot donate, a reshard onto the rollout
+    mesh, or nothing here: `jaxrl.run.topology`'s publishers); default `params` as given.
+    `handoff`: the params handoff to publish to, when the producer was built reading it
+    (partial rollouts read `handoff.latest`); default a new one.
     A producer with `bind_stop(should_stop)` is given the worker's stop test, which its waits
     poll (a producer that waits on other processes)."""
     self.producer = producer
@@ -70,8 +69,7 @@ class LagPipeline:
     self.gate = LagGate(lag, stall_timeout_s)
     self.handoff = handoff or ParamsHandoff()
     self.inline = inline
-    prepare = prepare or (lambda params: params)
-    self.publisher = publisher or (lambda version, params: prepare(params))
+    self.publisher = publisher or (lambda version, params: params)
     self.worker = InlineWorker(self.gate, self.handoff, produce, lag) if inline else \
         RolloutWorker(self.gate, self.handoff, produce, lag, name=name)
     if hasattr(producer, "bind_stop"):

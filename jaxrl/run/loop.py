@@ -131,6 +131,7 @@ class _Steps:
     self.stop = feed.stop(io.stop)
     self.timer = metrics_lib.Timer()
     self.stopped_at = self.first_step_s = None
+    self.train_span: dict = {}  # the last update's wall-clock span (perf/train_from, _to)
 
   def announce(self, topology) -> None:
     cfg, say = self.parts.cfg, self.io.progress.say

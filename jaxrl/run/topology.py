@@ -194,7 +194,9 @@ class Topology:
                                        len(self.mesh_shape.rollout_processes))
 
   def union(self):
-    """The mesh of both sides every checkpoint runs over (across processes)."""
+    """The mesh of both sides every checkpoint runs over (across processes). Also sets Orbax to
+    write each array's first replica only, which every process must do before the first
+    checkpoint (`jaxrl.runtime.mirror`)."""
     mirror.use_first_replica_writes()
     return mirror.union_mesh(devices_lib.train_mesh(self.mesh_shape),
                              devices_lib.rollout_groups(self.mesh_shape))
