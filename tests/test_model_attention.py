@@ -114,6 +114,10 @@ def test_xla_attention_matches_dense_in_grouped_forward():
 def test_auto_is_dense_on_cpu_and_xla_elsewhere():
   assert jax.default_backend() == "cpu"
   assert resolve_attention("auto", "cpu") == "dense"
+  # Long rows on CPU go blockwise: a dense [rows, heads, T, T] score tensor grows with T^2.
+  assert resolve_attention("auto", "cpu", length=1024) == "dense"
+  assert resolve_attention("auto", "cpu", length=1025) == "xla"
+  assert resolve_attention("dense", "cpu", length=4096) == "dense"
   assert resolve_attention("auto", "gpu") == resolve_attention("auto", "tpu") == "xla"
   assert resolve_attention("dense", "gpu") == "dense" and resolve_attention("xla", "cpu") == "xla"
   with pytest.raises(ValueError, match="flash"):

@@ -36,21 +36,29 @@ names.check_registry("REMAT_POLICIES", names.REMAT_POLICIES, REMAT_POLICIES)
 ATTENTION_IMPLS = names.ATTENTION_IMPLS
 
 
-def resolve_attention(choice: str, backend: str | None = None) -> str:
-  """"dense" or "xla" for `ModelConfig.attention` `choice` on `backend` (None: JAX's default
-  backend, read when the forward is traced).
+# "auto" on CPU: rows up to this many positions attend densely (the fastest form there, and the
+# default run's); longer rows blockwise. A dense `[rows, heads, T, T]` f32 score tensor per layer
+# at 1,024 positions is 4 MiB per head and row, and it grows with the square of the length.
+AUTO_DENSE_MAX_LENGTH = 1024
 
-  "auto" is "dense" on CPU: there it is the fastest (its own gradient rule,
-  `layers.attention`), and the default run stays bit for bit what it was. Elsewhere "xla"
+
+def resolve_attention(choice: str, backend: str | None = None, length: int | None = None) -> str:
+  """"dense" or "xla" for `ModelConfig.attention` `choice` on `backend` (None: JAX's default
+  backend, read when the forward is traced), for rows of `length` positions (None: short).
+
+  "auto" is "dense" on CPU for rows up to `AUTO_DENSE_MAX_LENGTH` positions: there it is the
+  fastest (its own gradient rule, `layers.attention`), and the default run stays bit for bit
+  what it was. Longer rows on CPU, and every row elsewhere, get "xla"
   (`jaxrl.kernels.attention`, blockwise): memory linear in the sequence instead of a
-  [rows, heads, T, T] score tensor per layer. No GPU or TPU has run it yet.
+  [rows, heads, T, T] score tensor per layer.
   """
   if choice not in ATTENTION_IMPLS:
     raise ValueError(f"attention={choice!r} is not one of {ATTENTION_IMPLS}")
   if choice != "auto":
     return choice
   backend = jax.default_backend() if backend is None else backend
-  return "dense" if backend == "cpu" else "xla"
+  short = length is None or length <= AUTO_DENSE_MAX_LENGTH
+  return "dense" if backend == "cpu" and short else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

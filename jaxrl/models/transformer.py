@@ -153,7 +153,7 @@ class Transformer(nnx.Module):
     # it as a buffer instead of recomputing both per element inside every fusion that reads it
     # (the rotary backward's fusions re-evaluated them for each head; issue 22's train step).
     cos, sin = jax.lax.optimization_barrier(rope_tables(positions, config_inv_freq(cfg)))
-    if cache is None and attend is None and resolve_attention(cfg.attention) == "xla":
+    if cache is None and attend is None and resolve_attention(cfg.attention, length=T) == "xla":
       # Each row's own tokens, as the dense mask above: a real token attends the real slots up
       # to its own (segment 0, position = slot); a padding query attends nothing (uniform
       # average, never read: the callers mask padding out of every loss and output). With a
@@ -286,7 +286,7 @@ class Transformer(nnx.Module):
     positions = continuation_positions(prompt_valid, valid, group)
     pack = lambda a, c: jnp.concatenate([a, c.reshape(n, group * t)], axis=1)  # [N, Lp + G T]
     packed_positions = pack(left_positions(prompt_valid), positions)
-    if resolve_attention(cfg.attention) == "xla":
+    if resolve_attention(cfg.attention, length=lp + group * t) == "xla":
       # The same mask as segments (`jaxrl.kernels.attention`'s group layout): the prompt is
       # segment 0 and shared, continuation g of a group segment g + 1, padding -1. Padding
       # queries then attend nothing (the dense masks let some see keys); no output reads them.

@@ -78,6 +78,13 @@ def _block_scores(qh, kj, q_segment, q_position, seg, pos, shared, real, scale):
 
   Masked keys score `MASK_VALUE` (as in `reference`), padding keys `-inf` (see the module
   docstring)."""
+  # The mask depends on integers alone. Under differentiation (a remat'ed layer scan around this
+  # one) JAX would compute it ahead as a "known" value and keep every block's mask for the
+  # backward pass: a `[blocks, B, Hkv, G, T, c]` bool residual, quadratic in the sequence.
+  # Tying the integers to the keys through a barrier makes the mask as unknown as the scores,
+  # so it is recomputed per block where it is used.
+  kj, q_segment, q_position, seg, pos, shared, real = jax.lax.optimization_barrier(
+      (kj, q_segment, q_position, seg, pos, shared, real))
   s = jnp.einsum("bkgtd,bskd->bkgts", qh, kj, preferred_element_type=jnp.float32) * scale
   mask = token_mask(q_segment, q_position, seg, pos, shared)[:, None, None]
   s = jnp.where(mask, s, MASK_VALUE)
