@@ -9,6 +9,7 @@ where a gradient entry or a KL value is ~0.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -174,25 +175,36 @@ def test_pallas_multiple_token_blocks():
   assert rel_err(g[0], ref_g[0]) < 1e-5 and rel_err(g[1], ref_g[1]) < 1e-5
 
 
-@pytest.mark.parametrize("n,d,v,chunk,dtype", [
-    (N, D, V, CHUNK, jnp.float32),  # ragged N and V: 3 token blocks of 16, last V block 104 wide
-    (21, 24, 14, None, jnp.float32),  # D = 24 padded to 32; V = 14 below the 16-column block
-    (40, 40, 300, 64, jnp.bfloat16),  # bf16 tiles, V = 300 over 5 blocks of 64 (last ragged)
+@pytest.mark.parametrize("n,d,v,tiles,dtype", [
+    # The API's tiles: bn = 64 over N = 37 (27 pad rows), bv = 128 over V = 1000 (8 blocks, the
+    # last 104 wide), one K step of bd = 16; 8 vocabulary slices of one block each.
+    (N, D, V, dict(chunk_size=CHUNK), jnp.float32),
+    # D = 24 padded to one K step of 32; V = 14 below the 16-column block.
+    (21, 24, 14, {}, jnp.float32),
+    # Ragged everything, several blocks of each loop: N = 37 in 3 token blocks of 16, D = 72 in
+    # 5 K steps of 16 (the last 8 wide), V = 300 in 5 blocks of 64 (the last 44 wide); 2 slices
+    # cut the vocabulary loops 3 + 2 blocks and the dW token loop 2 + 1.
+    (37, 72, 300, dict(chunk_size=64, block_n=16, block_d=16, splits=2), jnp.float32),
+    # bf16 tiles: D = 40 in 3 K steps of 16, V = 300 in 5 blocks of 64, 3 slices (2 + 2 + 1).
+    (40, 40, 300, dict(chunk_size=64, block_d=16, splits=3), jnp.bfloat16),
 ])
-def test_pallas_gpu_layout(n, d, v, chunk, dtype):
-  # The Triton-shaped kernels (loops inside the program, D padded to a power of two), run by
-  # the interpreter: the same math as the grid kernels and the dense reference.
+def test_pallas_gpu_layout(n, d, v, tiles, dtype):
+  # The Triton-shaped kernels (K loop over D, vocabulary / token loops cut into slices that run
+  # as separate programs), run by the interpreter: the same numbers as the dense reference. A
+  # K loop that dropped its last, partial step would miss 8 of the 72 hidden units in every
+  # logit; a slice merge that skipped a slice would drop 2/5 of the vocabulary from lse.
   h, w, targets, temperature, _, _, weights = make_inputs(n, d, v, dtype)
+  h = (h * np.sqrt(D / d)).astype(dtype)  # logits of the same size as at D = 16
   t = effective_temperature(temperature, n)
 
   def loss(fn, hh, ww):
-    logp, entropy = fn(hh, ww, targets, t, with_entropy=True, chunk_size=chunk)
+    logp, entropy = fn(hh, ww, targets, t, with_entropy=True)
     return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * entropy), (logp, entropy)
 
   grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), (0, 1),  # noqa: E731
                                                has_aux=True))
   (_, ref), ref_g = grad(reference_impl.fused_logprob)(h, w)
-  gpu = functools.partial(pallas_fused_logprob, layout="gpu", interpret=True)
+  gpu = functools.partial(pallas_gpu.fused_logprob, interpret=True, **tiles)
   (_, out), g = grad(gpu)(h, w)
   tol, gtol = (1e-5, 1e-5) if dtype == jnp.float32 else (1e-5, 2e-2)
   assert rel_err(out[0], ref[0]) < tol and rel_err(out[1], ref[1]) < tol
@@ -200,10 +212,50 @@ def test_pallas_gpu_layout(n, d, v, chunk, dtype):
   assert g[0].dtype == dtype and g[1].dtype == dtype
 
 
+def test_pallas_gpu_layout_is_the_api_gpu_layout():
+  # `pallas_fused_logprob(layout="gpu")` is this module's kernel with its default tiles.
+  h, w, targets, temperature, *_ = make_inputs()
+  t = effective_temperature(temperature, N)
+  a = pallas_fused_logprob(h, w, targets, t, with_entropy=True, chunk_size=CHUNK, layout="gpu",
+                           interpret=True)
+  b = pallas_gpu.fused_logprob(h, w, targets, t, with_entropy=True, chunk_size=CHUNK,
+                               interpret=True)
+  np.testing.assert_array_equal(a[0], b[0])
+  np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_pallas_gpu_tiles():
+  # Qwen2.5-0.5B in bf16 (the benchmark's shape): 128 x 128 logits tiles, K steps of 64
+  # (64 x 2 bytes = 128 bytes of a row per step), and no padding copy: D = 896 = 14 x 64,
+  # V = 151936 = 1187 x 128, N = 8192 = 64 x 128. In f32 the K step halves to 32 (the same
+  # bytes of shared memory per pipeline stage).
+  assert pallas_gpu.plan_tiles(8192, 896, 151936, 2) == (128, 128, 64, None)
+  assert pallas_gpu.plan_tiles(8192, 896, 151936, 4) == (128, 128, 32, None)
+  # Its grids: 64 token blocks are too few programs for 132 SMs, so the forward cuts the 1187
+  # vocabulary blocks into 16 slices of 75 (1024 programs), `dh` into 4 (256 programs, each
+  # slice an [N, D] f32 partial), and `dW` has 1187 programs of its own, each walking all 64
+  # token blocks.
+  tiles = pallas_gpu.plan_tiles(8192, 896, 151936, 2)
+  assert pallas_gpu.plan_grids(8192, 896, 151936, tiles) == ((64, 16), 75, (64, 4), 297,
+                                                             (1187, 1), 64)
+  # `splits` given: every loop in 2 slices (fewer where the loop is shorter), none empty.
+  tiles = pallas_gpu.plan_tiles(37, 72, 300, 4, 16, 64, 16, splits=2)
+  assert pallas_gpu.plan_grids(37, 72, 300, tiles) == ((3, 2), 3, (3, 2), 3, (5, 2), 2)
+  # Tiles shrink to a small input (never below Triton's 16) and round down to powers of two; a
+  # vocabulary block meant for `xla` (1024) is capped at 256 (a [128, 1024] f32 tile would be
+  # 512 registers per thread).
+  assert pallas_gpu.plan_tiles(21, 24, 14, 4) == (32, 16, 32, None)
+  assert pallas_gpu.plan_tiles(5, 8, 8, 2) == (16, 16, 16, None)
+  assert pallas_gpu.plan_tiles(8192, 896, 151936, 2, block_n=100, block_v=1024,
+                               block_d=96) == (64, 256, 64, None)
+
+
 def test_pallas_gpu_layout_lowers_to_triton():
   # Lowering (not compiling) for CUDA runs on any machine: the Pallas-to-Triton lowering accepts
-  # the kernels only if every tile is a power of two and every op has a Triton rule. Qwen2.5-0.5B
-  # sizes (D = 896 -> 1024) and the default model's (D = 64, V = 14), value and gradient.
+  # the kernels only if every tile is a power of two and every op has a Triton rule (the loops
+  # with per-program bounds included). The benchmark's shape (bf16 and f32), the default
+  # model's (D = 64, V = 14), and a D = 2048 in f32 that the previous whole-D tiles could not
+  # hold in shared memory (they ran `xla` instead); value and gradient.
   def lowered(n, d, v, dtype):
     def loss(h, w, targets, t):
       logp, entropy = pallas_fused_logprob(h, w, targets, t, with_entropy=True,
@@ -218,25 +270,25 @@ def test_pallas_gpu_layout_lowers_to_triton():
     )(*args)
     return exported.mlir_module()
 
-  for n, d, v, dtype in ((4096, 896, 151936, jnp.bfloat16), (640, 64, 14, jnp.float32)):
+  for n, d, v, dtype in ((8192, 896, 151936, jnp.bfloat16), (8192, 896, 151936, jnp.float32),
+                         (640, 64, 14, jnp.float32), (64, 2048, 1000, jnp.float32)):
     text = lowered(n, d, v, dtype)
     for name in ("fused_logprob_fwd_gpu", "fused_logprob_dh_gpu", "fused_logprob_dw_gpu"):
       assert f'name = "{name}"' in text, name
 
 
-def test_pallas_gpu_layout_too_wide_for_shared_memory_runs_xla():
-  # D = 2048 in f32: even 16-column tiles of h and W need (16 + 16) x 2048 x 4 = 262,144 bytes
-  # of shared memory, above GPU_SMEM_BUDGET (204,800; an H100 has 232,448 for a kernel), so the
-  # compiled gpu layout runs `xla` instead (same numbers) and says why; in bf16 it fits.
+def test_pallas_gpu_layout_wide_hidden():
+  # D = 2048 in f32: 64 K steps of 32. The kernel's tiles do not grow with D, so it runs the
+  # kernel itself (no fallback, no warning) and matches the reference.
   h, w, targets, temperature, *_ = make_inputs(n=8, d=2048, v=64)
   h = h / np.sqrt(2048)  # logits of order 1, as in a model (entropy is not cancellation-bound)
   t = effective_temperature(temperature, 8)
-  with pytest.warns(RuntimeWarning, match="need 262144 bytes of shared memory"):
-    logp, entropy = pallas_fused_logprob(h, w, targets, t, with_entropy=True, layout="gpu",
-                                         interpret=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    logp, entropy = pallas_gpu.fused_logprob(h, w, targets, t, with_entropy=True,
+                                             interpret=True)
   ref_logp, ref_entropy = reference_impl.fused_logprob(h, w, targets, t, with_entropy=True)
   assert rel_err(logp, ref_logp) < 1e-5 and rel_err(entropy, ref_entropy) < 1e-5
-  assert 32 * 2048 * 2 <= pallas_gpu.GPU_SMEM_BUDGET < 32 * 2048 * 4
 
 
 def test_pallas_layout_is_checked():

@@ -31,9 +31,10 @@ def pallas_fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_
   """`(logp [N], entropy [N] or None)`, float32, from the Pallas kernels in one of their
   layouts; `t` is the effective temperature `[N]`.
 
-  `chunk_size` is the vocabulary block `bv` (default `pallas_common.DEFAULT_BLOCK_V`; the `gpu`
-  layout rounds it down to a power of two and caps it by `D`), `block_n` the token block `bn`
-  (None: 256 in the `tpu` layout, sized by `D` in the `gpu` one).
+  `chunk_size` is the vocabulary block `bv` (default `pallas_common.DEFAULT_BLOCK_V` in the
+  `tpu` layout; the `gpu` layout's default is `pallas_gpu.GPU_BLOCK_V`, and it rounds a given one
+  down to a power of two, at most `pallas_gpu.GPU_MAX_BLOCK_V`), `block_n` the token block `bn`
+  (None: 256 in the `tpu` layout, `pallas_gpu.GPU_BLOCK_N` in the `gpu` one).
   `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where Pallas has no
   compiled backend; None picks per backend (`pallas_common.default_interpret`). `layout` (`tpu`
   | `gpu`): None = `gpu` when compiling on a GPU, else `tpu`; either runs in interpret mode, so

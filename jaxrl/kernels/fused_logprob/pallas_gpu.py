@@ -1,45 +1,75 @@
 """The fused log-prob's Pallas kernels in the `gpu` layout (Pallas' Triton backend);
 `interpret=True` runs them on CPU for tests.
 
-Same math as `xla.py` (see its docstring) and the `tpu` layout (`pallas_tpu`). Triton runs a
-grid's programs concurrently, so no grid axis can accumulate; the accumulating axis becomes a
-`fori_loop` inside the program:
+Same math as `xla.py` (see its docstring) and the `tpu` layout (`pallas_tpu`). Every logits tile
+`z = (h[rows] @ W[:, cols]) / t` is `[bn, bv]` in float32 registers, accumulated over the hidden
+dimension in slices of `bd` (a K loop: `[bn, bd]` and `[bd, bv]` operand tiles, which Triton
+pipelines `num_stages` deep through shared memory), so no tile holds a whole `D`-long row and
+the tile sizes do not depend on `D`. Triton runs a grid's programs concurrently, so no grid axis
+may accumulate; the accumulating axis is a loop inside the program, cut into `splits` slices
+that run as programs of their own and are summed afterwards:
 
-- forward and `dh`, grid `(N / bn,)`: each program loops over the vocabulary blocks, keeping
-  `m, s, a` (forward) or the `[bn, D]` `dh` rows (backward) in registers;
-- `dW`, grid `(V / bv,)`: each program loops over the token blocks, keeping its `[D, bv]` block.
+- forward, grid `(N / bn, splits)`: program `(i, s)` walks the vocabulary blocks of slice `s`
+  with an online logsumexp and writes that slice's `m, s, a` (`[N, splits]`); XLA merges the
+  slices (a few bytes per row and slice).
+- `dh`, grid `(N / bn, splits)`: program `(i, s)` walks the vocabulary blocks of slice `s`,
+  recomputes each tile, `dl = -(p (g + e (z - lse + H))) / t`, and adds `dl @ W[k, cols]^T`
+  into its own `[bn, bd]` slices `k` of an f32 partial `dh` (one `[N, D]` partial per slice,
+  summed by XLA; at most `GPU_MAX_DH_SPLITS` of them).
+- `dW`, grid `(V / bv, splits)`: program `(j, s)` walks the token blocks of slice `s`,
+  recomputes each tile and adds `h[rows, k]^T @ dl` into its own `[bd, bv]` slices of `dW`.
 
-Triton needs every tile's size to be a power of two, so `D` is zero-padded to the next power of
-two (zero columns of `h` and rows of `W` add nothing) and `V` to a multiple of `bv` (padded
-columns masked out of every sum); this costs one padded copy of `W` per call. Tiles are sized in
-bytes: `bn x D` <= 64 KiB and `D x bv` <= 128 KiB, and a shape whose smallest tiles (16 x D and
-D x 16) would need more than `GPU_SMEM_BUDGET` of shared memory (measured on an H100: about
-`(bn + bv) x D x itemsize`, of 227 KiB) runs the `xla` implementation instead, with a one-time
-warning: `D` up to 1024 in f32, 2048 in bf16.
+`dh` and `dW` accumulate in their output blocks (global memory, an f32 read and write per tile
+and `bd` slice) rather than in registers: a `[bn, D]` or `[D, bv]` accumulator does not fit in a
+program's registers at `D` in the thousands. Each output block belongs to one program, which
+reads back only what its own threads stored (the load and the store of a tile have the same
+layout), so there are no atomics and the result is deterministic.
 
-Measured on an H100 (benchmarks/README.md, "On a GPU"): correct (the kernel tests pass there
-with `jax_default_matmul_precision=highest`), but at Qwen2.5-0.5B size slower than `xla` (3.7x
-in bf16, 16x in f32: a whole `[bn, D]` row block per program means small dots), so `xla`
-stays the default on GPU.
+Triton needs every tile's size to be a power of two, at least 16: `D` is zero-padded to a
+multiple of `bd`, `V` to a multiple of `bv` (padded columns masked out of every sum), `N` to a
+multiple of `bn`; nothing is copied when the shape is already a multiple (Qwen2.5-0.5B's
+D = 896 = 14 x 64 and V = 151936 = 1187 x 128 are). The target-logit term is a gather /
+scatter-add outside the kernels (`common`), as in `xla`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.fused_logprob import common, xla
-from jaxrl.kernels.fused_logprob.pallas_common import (DEFAULT_BLOCK_V, col, default_interpret,
-                                                       pad_rows, with_gradient)
+from jaxrl.kernels.fused_logprob import common
+from jaxrl.kernels.fused_logprob.pallas_common import (col, default_interpret, pad_rows,
+                                                       with_gradient)
 
-# Shared memory a kernel's smallest tiles may need (an H100 has 227 KiB per kernel).
-GPU_SMEM_BUDGET = 200 * 1024
-GPU_NUM_WARPS = None  # None: 4 for tiles of <= 8K elements, else 8
+# Tiles for an H100 (the same hold on an H200): a [128, 128] f32 logits tile is 64 registers
+# per thread at 8 warps, and one pipeline stage of [128, bd] + [bd, 128] operands is 32 KiB
+# (bd = 64 in bf16, 32 in f32), so 3 stages take 96 KiB of shared memory and two programs fit
+# on an SM (228 KiB of shared memory, 64K registers).
+GPU_BLOCK_N = 128
+GPU_BLOCK_V = 128
+GPU_MAX_BLOCK_V = 256  # a larger `chunk_size` (e.g. one meant for `xla`) is capped here
+GPU_BLOCK_D_BYTES = 128  # bd x itemsize: 64 bf16 or 32 f32 columns per K step
+GPU_NUM_WARPS = None  # None: 8 for tiles of more than 64 x 64, else 4
+GPU_NUM_STAGES = 3
+# Enough programs per kernel to fill an H100 (132 SMs, two programs each) about four times over,
+# so the last wave's idle tail is a small part of the run.
+GPU_MIN_PROGRAMS = 1024
+# Each `dh` slice is an [N, D] f32 partial (29 MiB at N = 8192, D = 896); 4 of them with bn = 128
+# give 256 programs at N = 8192, about one wave of two programs per SM.
+GPU_MAX_DH_SPLITS = 4
+
+
+class Tiles(NamedTuple):
+  """A call's static tile plan (hashable: it is a static argument of the `custom_vjp`)."""
+  bn: int  # token rows per tile
+  bv: int  # vocabulary columns per tile
+  bd: int  # hidden units per K step
+  splits: int | None  # slices of each kernel's loop run in parallel; None: `GPU_MIN_PROGRAMS`
 
 
 def _pow2_ceil(x: int) -> int:
@@ -50,27 +80,66 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def _gpu_blocks(n: int, d: int, v: int, block_v: int, block_n: int | None = None,
-                itemsize: int = 4):
-  """`(dp, bn, bv, n_pad, v_pad)`: padded `D`, power-of-two tiles (>= 16, Triton's smallest dot)
-  of `bn x dp` <= 64 KiB (unless `block_n` is given) and `dp x bv` <= 128 KiB in `itemsize`
-  bytes, and the padded `N`, `V`."""
-  dp = max(16, _pow2_ceil(d))
-  if block_n is None:
-    bn = max(16, min(64, _pow2_floor((64 << 10) // (dp * itemsize))))
-  else:
-    bn = max(16, _pow2_floor(block_n))
-  bv = max(16, min(_pow2_floor(block_v), _pow2_floor((128 << 10) // (dp * itemsize)),
-                   _pow2_ceil(v)))
-  return dp, bn, bv, -(-n // bn) * bn, -(-v // bv) * bv
+def _fit(want: int, size: int, cap: int | None = None) -> int:
+  """A power-of-two tile `<= want` (and `<= cap`), >= 16 (Triton's smallest dot), no larger
+  than `size` rounded up to a power of two (no tile mostly made of padding)."""
+  b = min(_pow2_floor(want), _pow2_ceil(size))
+  if cap is not None:
+    b = min(b, cap)
+  return max(16, b)
 
 
-def _gpu_params(interpret, dp: int, bv: int):
+def plan_tiles(n: int, d: int, v: int, itemsize: int, block_n: int | None = None,
+               block_v: int | None = None, block_d: int | None = None,
+               splits: int | None = None) -> Tiles:
+  """The tiles for an `[n, d] x [d, v]` call in `itemsize`-byte operands (see the constants)."""
+  return Tiles(bn=_fit(block_n or GPU_BLOCK_N, n),
+               bv=_fit(block_v or GPU_BLOCK_V, v, GPU_MAX_BLOCK_V),
+               bd=_fit(block_d or GPU_BLOCK_D_BYTES // itemsize, d),
+               splits=None if splits is None else max(1, int(splits)))
+
+
+def _slices(blocks: int, programs: int, splits: int | None, most: int | None = None):
+  """`(count, per)`: the loop over `blocks` cut into `count` slices of `per` blocks (the last
+  may be shorter, none is empty), so that `programs` x `count` programs fill the GPU."""
+  want = splits if splits is not None else -(-GPU_MIN_PROGRAMS // programs)
+  if most is not None and splits is None:
+    want = min(want, most)
+  per = -(-blocks // max(1, min(want, blocks)))
+  return -(-blocks // per), per
+
+
+class Grids(NamedTuple):
+  """Each kernel's grid and how many blocks of its loop one program walks (`per`)."""
+  fwd: tuple[int, int]  # (token blocks, vocabulary slices)
+  fwd_per: int
+  dh: tuple[int, int]  # (token blocks, vocabulary slices)
+  dh_per: int
+  dw: tuple[int, int]  # (vocabulary blocks, token slices)
+  dw_per: int
+
+
+def plan_grids(n: int, d: int, v: int, tiles: Tiles) -> Grids:
+  """The three kernels' grids for an `[n, d] x [d, v]` call with `tiles`."""
+  del d  # the K loop runs inside every program
+  nb, nv = -(-n // tiles.bn), -(-v // tiles.bv)
+  fwd, fwd_per = _slices(nv, nb, tiles.splits)
+  dh, dh_per = _slices(nv, nb, tiles.splits, GPU_MAX_DH_SPLITS)
+  dw, dw_per = _slices(nb, nv, tiles.splits)
+  return Grids((nb, fwd), fwd_per, (nb, dh), dh_per, (nv, dw), dw_per)
+
+
+def _loop_range(per: int, blocks: int):
+  lo = pl.program_id(1) * per
+  return lo, jnp.minimum(lo + per, blocks)
+
+
+def _gpu_params(interpret, tiles: Tiles):
   if interpret:
     return None
   from jax.experimental.pallas import triton as pltriton
-  warps = GPU_NUM_WARPS or (4 if dp * bv <= 8192 else 8)
-  return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+  warps = GPU_NUM_WARPS or (4 if tiles.bn * tiles.bv <= 64 * 64 else 8)
+  return pltriton.CompilerParams(num_warps=warps, num_stages=GPU_NUM_STAGES)
 
 
 def _precision(x):
@@ -82,149 +151,228 @@ def _precision(x):
   return None
 
 
-def _gpu_z(h, w, t, start, v: int, bv: int):
-  """`(z [bn, bv] float32, valid [1, bv])` for the vocabulary block at column `start`."""
-  z = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=_precision(h)) / t
-  valid = (start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)) < v
-  return z, valid
+def _k(k, bd: int):
+  return pl.ds(pl.multiple_of(k * bd, bd), bd)
 
 
-def _gpu_dl(z, valid, t, lse, shift, g, ent, with_entropy, dt):
+def _logits(h_ref, w_ref, rows, cols, t, shape, nk: int, bd: int):
+  """`z = (h[rows] @ W[:, cols]) / t`, float32 `shape = [bn, bv]`, over `nk` K steps of `bd`."""
+
+  def step(k, acc):
+    h = h_ref[rows, _k(k, bd)]
+    return acc + jnp.dot(h, w_ref[_k(k, bd), cols], preferred_element_type=jnp.float32,
+                         precision=_precision(h))
+
+  return lax.fori_loop(0, nk, step, jnp.zeros(shape, jnp.float32)) / t
+
+
+def _valid(start, v: int, bv: int):
+  """`[1, bv]`: which of the block's columns lie inside the real vocabulary."""
+  return (start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)) < v
+
+
+def _dl(z, valid, t, lse, shift, g, ent, with_entropy, dt):
+  """`dl = -(p (g + e (z - shift))) / t` in `dt` (the matmuls' dtype); 0 off the vocabulary."""
   p = jnp.where(valid, jnp.exp(z - lse), 0.0)  # padded columns: z = 0, p masked to 0
   coef = g + ent * (z - shift) if with_entropy else g
   return (-(p * coef) / t).astype(dt)
 
 
-def _gpu_fwd_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, *, v, bv, nv, with_entropy):
-  h, t = h_ref[...], t_ref[...]
+def _zero(ref, nk: int, bd: int, axis: int):
+  """Zeroes an output block in `bd`-wide slices along `axis` (the tiles the kernel adds into)."""
+  shape = list(ref.shape)
+  shape[axis] = bd
+
+  def step(k, carry):
+    idx = (slice(None), _k(k, bd)) if axis == 1 else (_k(k, bd), slice(None))
+    ref[idx] = jnp.zeros(shape, ref.dtype)
+    return carry
+
+  lax.fori_loop(0, nk, step, 0)
+
+
+def _fwd_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, *, v, bv, bd, nk, nv, per,
+                with_entropy):
+  t = t_ref[...]
+  lo, hi = _loop_range(per, nv)
 
   def body(j, carry):
     m, s, a = carry
     start = pl.multiple_of(j * bv, bv)
-    z, valid = _gpu_z(h, w_ref[:, pl.ds(start, bv)], t, start, v, bv)
+    valid = _valid(start, v, bv)
+    z = _logits(h_ref, w_ref, slice(None), pl.ds(start, bv), t, (t.shape[0], bv), nk, bd)
     z = jnp.where(valid, z, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))  # finite: each block has a column
     scale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new)
     s = s * scale + jnp.sum(e, axis=1, keepdims=True)
-    if with_entropy:
+    if with_entropy:  # e = 0 but z = -inf on masked columns: 0 * inf is NaN
       a = a * scale + jnp.sum(jnp.where(valid, e * z, 0.0), axis=1, keepdims=True)
     return m_new, s, a
 
   shape = m_ref.shape
-  m, s, a = lax.fori_loop(0, nv, body, (jnp.full(shape, -jnp.inf, jnp.float32),
-                                        jnp.zeros(shape, jnp.float32),
-                                        jnp.zeros(shape, jnp.float32)))
+  m, s, a = lax.fori_loop(lo, hi, body, (jnp.full(shape, -jnp.inf, jnp.float32),
+                                         jnp.zeros(shape, jnp.float32),
+                                         jnp.zeros(shape, jnp.float32)))
   m_ref[...] = m
   s_ref[...] = s
   a_ref[...] = a
 
 
-def _gpu_dh_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dh_ref, *, v, bv, nv,
-                   with_entropy, dt):
-  h, t = h_ref[...], t_ref[...]
+def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dh_ref, *, v, bv, bd, nk,
+               nv, per, with_entropy, dt):
+  t = t_ref[...]
   lse, shift, g, ent = lse_ref[...], shift_ref[...], g_ref[...], e_ref[...]
+  lo, hi = _loop_range(per, nv)
+  _zero(dh_ref, nk, bd, axis=1)
 
-  def body(j, acc):
+  def body(j, carry):
     start = pl.multiple_of(j * bv, bv)
-    w = w_ref[:, pl.ds(start, bv)]
-    z, valid = _gpu_z(h, w, t, start, v, bv)
-    dl = _gpu_dl(z, valid, t, lse, shift, g, ent, with_entropy, dt)
-    return acc + lax.dot_general(dl, w, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=_precision(dl))
+    cols = pl.ds(start, bv)
+    z = _logits(h_ref, w_ref, slice(None), cols, t, (t.shape[0], bv), nk, bd)
+    dl = _dl(z, _valid(start, v, bv), t, lse, shift, g, ent, with_entropy, dt)
 
-  dh_ref[...] = lax.fori_loop(0, nv, body, jnp.zeros(dh_ref.shape, jnp.float32))
+    def add(k, c):
+      dh_ref[:, _k(k, bd)] += lax.dot_general(
+          dl, w_ref[_k(k, bd), cols], (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32, precision=_precision(dl))
+      return c
+
+    return lax.fori_loop(0, nk, add, carry)
+
+  lax.fori_loop(lo, hi, body, 0)
 
 
-def _gpu_dw_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dw_ref, *, v, bv, bn,
-                   nb, with_entropy, dt):
-  start_v = pl.program_id(0) * bv
-  w = w_ref[...]
+def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dw_ref, *, v, bv, bn, bd,
+               nk, nb, per, with_entropy, dt):
+  start = pl.program_id(0) * bv
+  valid = _valid(start, v, bv)
+  lo, hi = _loop_range(per, nb)
+  _zero(dw_ref, nk, bd, axis=0)
 
-  def body(i, acc):
+  def body(i, carry):
     rows = pl.ds(pl.multiple_of(i * bn, bn), bn)
-    h, t = h_ref[rows, :], t_ref[rows, :]
-    z, valid = _gpu_z(h, w, t, start_v, v, bv)
-    dl = _gpu_dl(z, valid, t, lse_ref[rows, :], shift_ref[rows, :], g_ref[rows, :],
-                 e_ref[rows, :], with_entropy, dt)
-    return acc + lax.dot_general(h, dl, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=_precision(dl))
+    t = t_ref[rows, :]
+    z = _logits(h_ref, w_ref, rows, slice(None), t, (bn, bv), nk, bd)
+    dl = _dl(z, valid, t, lse_ref[rows, :], shift_ref[rows, :], g_ref[rows, :],
+             e_ref[rows, :], with_entropy, dt)
 
-  dw_ref[...] = lax.fori_loop(0, nb, body, jnp.zeros(dw_ref.shape, jnp.float32))
+    def add(k, c):
+      dw_ref[_k(k, bd), :] += lax.dot_general(
+          h_ref[rows, _k(k, bd)], dl, (((0,), (0,)), ((), ())),
+          preferred_element_type=jnp.float32, precision=_precision(dl))
+      return c
+
+    return lax.fori_loop(0, nk, add, carry)
+
+  lax.fori_loop(lo, hi, body, 0)
 
 
-def _gpu_pad(h, w, t, n_pad, dp, v_pad, dt):
-  n, d = h.shape
-  hp = jnp.pad(h.astype(dt), ((0, n_pad - n), (0, dp - d)))
-  wp = jnp.pad(w.astype(dt), ((0, dp - d), (0, v_pad - w.shape[1])))
+class _Padded(NamedTuple):
+  h: jax.Array  # [n_pad, d_pad] in the compute dtype
+  w: jax.Array  # [d_pad, v_pad]
+  t: jax.Array  # [n_pad, 1] float32; 1 on pad rows
+  nb: int  # token blocks
+  nv: int  # vocabulary blocks
+  nk: int  # K steps
+
+
+def _pad(h, w, t, tiles: Tiles, dt) -> _Padded:
+  """Zero padding up to whole tiles; a dimension that is already a multiple is not copied."""
+  (n, d), v = h.shape, w.shape[1]
+  nb, nv, nk = -(-n // tiles.bn), -(-v // tiles.bv), -(-d // tiles.bd)
+  n_pad, v_pad, d_pad = nb * tiles.bn, nv * tiles.bv, nk * tiles.bd
+  hp, wp = h.astype(dt), w.astype(dt)
+  if (n_pad, d_pad) != (n, d):
+    hp = jnp.pad(hp, ((0, n_pad - n), (0, d_pad - d)))
+  if (d_pad, v_pad) != (d, v):
+    wp = jnp.pad(wp, ((0, d_pad - d), (0, v_pad - v)))
   tp = pad_rows(t[:, None], n_pad) + (jnp.arange(n_pad) >= n)[:, None]  # pad rows: t = 1
-  return hp, wp, tp
+  return _Padded(hp, wp, tp, nb, nv, nk)
 
 
-def _forward(h, w, targets, t, block_v, block_n, with_entropy, interpret):
-  n, d = h.shape
-  v = w.shape[1]
+def _forward(h, w, targets, t, tiles: Tiles, unused, with_entropy, interpret):
+  del unused
+  n, v = h.shape[0], w.shape[1]
   dt = common.compute_dtype(h, w)
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n, jnp.dtype(dt).itemsize)
-  hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
-  acc = common.out_struct((n_pad, 1), jnp.float32, common.varying_axes(hp, wp, tp))
-  row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  p = _pad(h, w, t, tiles, dt)
+  bn, bv = tiles.bn, tiles.bv
+  grid = plan_grids(n, h.shape[1], v, tiles)
+  count, per = grid.fwd[1], grid.fwd_per
+  part = common.out_struct((p.h.shape[0], count), jnp.float32, common.varying_axes(p.h, p.w))
+  part_spec = pl.BlockSpec((bn, 1), lambda i, s: (i, s))
   m, s, a = pl.pallas_call(
-      functools.partial(_gpu_fwd_kernel, v=v, bv=bv, nv=v_pad // bv, with_entropy=with_entropy),
-      out_shape=(acc, acc, acc),
-      grid=(n_pad // bn,),
-      in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
-                pl.BlockSpec((dp, v_pad), lambda i: (0, 0)),
-                row],
-      out_specs=(row, row, row),
-      compiler_params=_gpu_params(interpret, dp, bv),
+      functools.partial(_fwd_kernel, v=v, bv=bv, bd=tiles.bd, nk=p.nk, nv=p.nv, per=per,
+                        with_entropy=with_entropy),
+      out_shape=(part, part, part),
+      grid=(p.nb, count),
+      in_specs=[pl.BlockSpec((bn, p.h.shape[1]), lambda i, s: (i, 0)),
+                pl.BlockSpec(p.w.shape, lambda i, s: (0, 0)),
+                pl.BlockSpec((bn, 1), lambda i, s: (i, 0))],
+      out_specs=(part_spec, part_spec, part_spec),
+      compiler_params=_gpu_params(interpret, tiles),
       interpret=interpret,
       name="fused_logprob_fwd_gpu",
-  )(hp, wp, tp)
-  lse = (m + jnp.log(s))[:n, 0]
-  entropy = lse - (a / s)[:n, 0] if with_entropy else None
+  )(p.h, p.w, p.t)
+  # Merge the vocabulary slices' online-logsumexp states (each slice holds a column, so every
+  # m is finite and exp(m - top) is in (0, 1]).
+  top = jnp.max(m, axis=1, keepdims=True)
+  scale = jnp.exp(m - top)
+  total = jnp.sum(s * scale, axis=1)[:n]
+  lse = top[:n, 0] + jnp.log(total)
+  entropy = lse - jnp.sum(a * scale, axis=1)[:n] / total if with_entropy else None
   logp = common.target_logit(h.astype(dt), w.astype(dt), targets, t) - lse
   return logp, entropy, lse
 
 
-def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, interpret):
-  n, d = h.shape
-  v = w.shape[1]
+def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, tiles: Tiles, unused, interpret):
+  del unused
+  (n, d), v = h.shape, w.shape[1]
   with_entropy = entropy is not None
   dt = common.compute_dtype(h, w)
-  dp, bn, bv, n_pad, v_pad = _gpu_blocks(n, d, v, block_v, block_n, jnp.dtype(dt).itemsize)
-  hp, wp, tp = _gpu_pad(h, w, t, n_pad, dp, v_pad, dt)
+  p = _pad(h, w, t, tiles, dt)
+  (n_pad, d_pad), v_pad = p.h.shape, p.w.shape[1]
+  bn, bv = tiles.bn, tiles.bv
   shift = lse - entropy if with_entropy else jnp.zeros_like(lse)
-  rows = (tp, col(lse, n_pad), col(shift, n_pad), col(g_lp, n_pad), col(g_ent, n_pad))
-  axes = common.varying_axes(hp, wp, *rows)
-  kw = dict(v=v, bv=bv, with_entropy=with_entropy, dt=dt)
-  params = _gpu_params(interpret, dp, bv)
+  # Zero cotangents on pad rows make their dl exactly 0.
+  rows = (p.t, col(lse, n_pad), col(shift, n_pad), col(g_lp, n_pad), col(g_ent, n_pad))
+  axes = common.varying_axes(p.h, p.w, *rows)
+  kw = dict(v=v, bv=bv, bd=tiles.bd, nk=p.nk, with_entropy=with_entropy, dt=dt)
+  params = _gpu_params(interpret, tiles)
 
-  row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
+  grid = plan_grids(n, d, v, tiles)
+  count, per = grid.dh[1], grid.dh_per
+  row = pl.BlockSpec((bn, 1), lambda i, s: (i, 0))
+  nb = p.nb
   dh = pl.pallas_call(
-      functools.partial(_gpu_dh_kernel, nv=v_pad // bv, **kw),
-      out_shape=common.out_struct((n_pad, dp), jnp.float32, axes),
-      grid=(n_pad // bn,),
-      in_specs=[pl.BlockSpec((bn, dp), lambda i: (i, 0)),
-                pl.BlockSpec((dp, v_pad), lambda i: (0, 0))] + [row] * 5,
-      out_specs=pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+      functools.partial(_dh_kernel, nv=p.nv, per=per, **kw),
+      out_shape=common.out_struct((count * n_pad, d_pad), jnp.float32, axes),
+      grid=(nb, count),
+      in_specs=[pl.BlockSpec((bn, d_pad), lambda i, s: (i, 0)),
+                pl.BlockSpec((d_pad, v_pad), lambda i, s: (0, 0))] + [row] * 5,
+      out_specs=pl.BlockSpec((bn, d_pad), lambda i, s: (s * nb + i, 0)),
       compiler_params=params,
       interpret=interpret,
       name="fused_logprob_dh_gpu",
-  )(hp, wp, *rows)[:n, :d]
+  )(p.h, p.w, *rows)
+  dh = jnp.sum(dh.reshape(count, n_pad, d_pad), axis=0)[:n, :d]
 
-  whole_rows = pl.BlockSpec((n_pad, 1), lambda j: (0, 0))
+  count, per = grid.dw[1], grid.dw_per
+  whole_rows = pl.BlockSpec((n_pad, 1), lambda j, s: (0, 0))
   dw = pl.pallas_call(
-      functools.partial(_gpu_dw_kernel, bn=bn, nb=n_pad // bn, **kw),
-      out_shape=common.out_struct((dp, v_pad), jnp.float32, axes),
-      grid=(v_pad // bv,),
-      in_specs=[pl.BlockSpec((n_pad, dp), lambda j: (0, 0)),
-                pl.BlockSpec((dp, bv), lambda j: (0, j))] + [whole_rows] * 5,
-      out_specs=pl.BlockSpec((dp, bv), lambda j: (0, j)),
+      functools.partial(_dw_kernel, bn=bn, nb=nb, per=per, **kw),
+      out_shape=common.out_struct((count * d_pad, v_pad), jnp.float32, axes),
+      grid=(p.nv, count),
+      in_specs=[pl.BlockSpec((n_pad, d_pad), lambda j, s: (0, 0)),
+                pl.BlockSpec((d_pad, bv), lambda j, s: (0, j))] + [whole_rows] * 5,
+      out_specs=pl.BlockSpec((d_pad, bv), lambda j, s: (s, j)),
       compiler_params=params,
       interpret=interpret,
       name="fused_logprob_dw_gpu",
-  )(hp, wp, *rows)[:d, :v]
+  )(p.h, p.w, *rows)
+  if count > 1:
+    dw = jnp.sum(dw.reshape(count, d_pad, v_pad), axis=0)
+  dw = dw[:d, :v]
 
   hc, wc = h.astype(dt), w.astype(dt)
   dh, dw = common.add_target_grads(hc, wc, targets, t, g_lp, dh, dw)
@@ -234,29 +382,22 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, block_v, block_n, int
 _core = with_gradient(_forward, _backward)
 
 
-_warned_wide = []
-
-
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
-                  interpret=None, block_n: int | None = None):
+                  interpret=None, block_n: int | None = None, block_d: int | None = None,
+                  splits: int | None = None):
   """`(logp [N], entropy [N] or None)`, float32, in the `gpu` layout; `t` is the effective
-  temperature `[N]`. `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`,
-  rounded down to a power of two and capped by `D`), `block_n` the token block `bn` (None: sized
-  by `D`). Compiled for a `D` whose smallest tiles overflow `GPU_SMEM_BUDGET`, it runs `xla`
-  instead, with a one-time warning. `interpret`: as in `api.pallas_fused_logprob`."""
+  temperature `[N]`.
+
+  Tiles (each rounded down to a power of two, at least 16, and no larger than its dimension
+  rounded up to one): `chunk_size` is the vocabulary block `bv` (default `GPU_BLOCK_V`, at most
+  `GPU_MAX_BLOCK_V`), `block_n` the token block `bn` (default `GPU_BLOCK_N`), `block_d` the K
+  step `bd` (default `GPU_BLOCK_D_BYTES` / itemsize). `splits`: how many slices of each
+  kernel's loop run as separate programs (None: enough for `GPU_MIN_PROGRAMS` programs, at most
+  `GPU_MAX_DH_SPLITS` for `dh`). `interpret`: as in `api.pallas_fused_logprob`."""
   if interpret is None:
     interpret = default_interpret(h, w, targets, t)
-  block_v = DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size)
-  dt = jnp.dtype(common.compute_dtype(h, w))
-  smem = 32 * max(16, _pow2_ceil(h.shape[1])) * dt.itemsize  # smallest tiles: 16 + 16 columns
-  if smem > GPU_SMEM_BUDGET and not interpret:
-    if not _warned_wide:
-      _warned_wide.append(True)
-      # stacklevel: past this function and `api`'s two, at the caller of `api.fused_logprob`.
-      warnings.warn(f"jaxrl: the pallas fused_logprob gpu kernels' smallest tiles for D = "
-                    f"{h.shape[1]} in {dt.name} need "
-                    f"{smem} bytes of shared memory (budget {GPU_SMEM_BUDGET}); running the "
-                    f"xla implementation", RuntimeWarning, stacklevel=4)
-    return xla.fused_logprob(h, w, targets, t, with_entropy=with_entropy, chunk_size=chunk_size)
+  itemsize = jnp.dtype(common.compute_dtype(h, w)).itemsize
+  tiles = plan_tiles(h.shape[0], h.shape[1], w.shape[1], itemsize, block_n,
+                     None if chunk_size is None else int(chunk_size), block_d, splits)
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
-  return _core(h, w, targets, t, block_v, block_n, bool(with_entropy), interpret)
+  return _core(h, w, targets, t, tiles, None, bool(with_entropy), interpret)
