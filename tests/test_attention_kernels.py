@@ -1,6 +1,8 @@
-"""Masked attention over packed rows: `xla` (blockwise) against the dense `reference`, the
-reference against NumPy and against `jaxrl.models.layers.attention`, the group layout against
-`Transformer.grouped_forward`'s mask, fully masked rows, and the blockwise memory bound.
+"""Masked attention over packed rows: `xla` (blockwise), `pallas_tpu` (flash kernels, in Pallas'
+interpreter here) and `cudnn` (through `jax.nn.dot_product_attention`'s XLA path off a GPU)
+against the dense `reference`, the reference against NumPy and against
+`jaxrl.models.layers.attention`, the group layout against `Transformer.grouped_forward`'s mask,
+fully masked rows, the blockwise memory bound, and the Pallas kernels lowered for a TPU.
 
 Errors are normwise, `max|a - b| / max|b|`: elementwise relative error is meaningless where a
 gradient entry is ~0. Sequence lengths are not multiples of the key block on purpose.
@@ -15,7 +17,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.kernels.attention import IMPLEMENTATIONS, attention, default_impl, reference
+from jaxrl.kernels.attention import IMPLEMENTATIONS, attention, cudnn, default_impl, pallas_tpu
+from jaxrl.kernels.attention import reference
 from jaxrl.models import layers
 from jaxrl.models.logprobs import continuation_positions, left_positions
 
@@ -91,10 +94,19 @@ def make_inputs(name, dtype=jnp.float32, d=16, seed=0):
   return (q, kk, v), mask, w
 
 
+def _attend(implementation):
+  """`api.attention` with this implementation; `cudnn` off a GPU runs its own mask and
+  fully-masked-row handling through `jax.nn.dot_product_attention`'s XLA path."""
+  if implementation == "cudnn" and jax.default_backend() != "gpu":
+    return lambda q, k, v, *mask, block_k: cudnn.attention(
+        q, k, v, *mask, scale=q.shape[-1] ** -0.5, sdpa_implementation="xla")
+  return functools.partial(attention, implementation=implementation)
+
+
 @functools.partial(jax.jit, static_argnames=("implementation", "block_k"))
 def value_and_grads(q, k, v, mask, w, implementation, block_k=BLOCK):
   def loss(q, k, v):
-    o = attention(q, k, v, *mask, implementation=implementation, block_k=block_k)
+    o = _attend(implementation)(q, k, v, *mask, block_k=block_k)
     return jnp.sum(o.astype(jnp.float32) * w), o
   (_, o), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
   return o, grads
@@ -267,7 +279,8 @@ def test_blockwise_memory_is_linear_in_the_sequence():
 
 
 def test_api():
-  assert default_impl() == "xla" and IMPLEMENTATIONS == ("reference", "xla")
+  assert default_impl() == "xla"
+  assert IMPLEMENTATIONS == ("reference", "xla", "pallas_tpu", "cudnn")
   (q, k, v), mask, _ = make_inputs("packed")
   with pytest.raises(ValueError, match="unknown attention implementation"):
     attention(q, k, v, *mask, implementation="pallas")
@@ -275,3 +288,96 @@ def test_api():
     attention(q, k, v, mask[0][:, :3], *mask[1:])
   with pytest.raises(ValueError, match="multiple"):
     attention(q[:, :, :3], k, v, *mask)
+
+
+@pytest.mark.parametrize("implementation", ("pallas_tpu", "cudnn"))
+@pytest.mark.parametrize("name", CASES)
+def test_kernels_match_reference_float32(implementation, name):
+  # pallas_tpu with 8-wide blocks: T and S (21 to 37) span several query and key blocks, the
+  # last of each padded.
+  qkv, mask, w = make_inputs(name)
+  o_ref, g_ref = value_and_grads(*qkv, mask, w, "reference")
+  o, g = value_and_grads(*qkv, mask, w, implementation)
+  assert o.dtype == jnp.float32 and o.shape == qkv[0].shape
+  assert rel_err(o, o_ref) < 1e-5
+  for which, a, b in zip("qkv", g, g_ref):
+    assert a.shape == b.shape and rel_err(a, b) < 1e-5, which
+
+
+def test_pallas_tpu_bfloat16():
+  qkv, mask, w = make_inputs("group", jnp.bfloat16)
+  o_ref, g_ref = value_and_grads(*qkv, mask, w, "reference")
+  o, g = value_and_grads(*qkv, mask, w, "pallas_tpu")
+  assert o.dtype == jnp.bfloat16 and all(a.dtype == jnp.bfloat16 for a in g)
+  # As for `xla` (test_xla_matches_reference_bfloat16): the reference rounds scores and
+  # probabilities to bf16, the kernels accumulate in float32.
+  assert rel_err(o, o_ref) < 2e-2
+  for which, a, b in zip("qkv", g, g_ref):
+    assert rel_err(a, b) < 2e-2, which
+
+
+@pytest.mark.parametrize("block_q, block_k", ((None, None), (16, 8), (8, 40)))
+def test_pallas_tpu_block_shapes(block_q, block_k):
+  # One block each way (the defaults cap at the sequence), more query than key blocks, and one
+  # key block wider than S = 37 (padded to 40) against 5 query blocks.
+  qkv, mask, w = make_inputs("packed")
+  o_ref, g_ref = value_and_grads(*qkv, mask, w, "reference")
+
+  @jax.jit
+  def run(q, k, v):
+    def loss(q, k, v):
+      o = pallas_tpu.attention(q, k, v, *mask, scale=q.shape[-1] ** -0.5, block_q=block_q,
+                               block_k=block_k)
+      return jnp.sum(o * w), o
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, o), g = run(*qkv)
+  assert rel_err(o, o_ref) < 1e-5 and max(rel_err(a, b) for a, b in zip(g, g_ref)) < 1e-5
+
+
+def test_pallas_tpu_lowers_for_tpu():
+  # Lowering (not compiling) for a TPU runs on any machine: Pallas turns each kernel into Mosaic
+  # and wraps it in a `tpu_custom_call`; a primitive without a Mosaic rule, or a block shape
+  # Mosaic refuses, fails here. Qwen2.5-0.5B-like heads (H = 14, Hkv = 2, Dh = 64) in bf16 over
+  # a 1,000-token row (4 blocks of 256, the last padded), value and gradient.
+  b, t, h, kh, d = 2, 1000, 14, 2, 64
+  struct = jax.ShapeDtypeStruct
+  args = [struct((b, t, h, d), jnp.bfloat16), struct((b, t, kh, d), jnp.bfloat16),
+          struct((b, t, kh, d), jnp.bfloat16)] + [struct((b, t), jnp.int32)] * 4 + \
+         [struct((b, t), bool)]
+
+  def out(q, k, v, *mask):
+    return pallas_tpu.attention(q, k, v, *mask, scale=d ** -0.5, interpret=False)
+
+  def loss(q, k, v, *mask):
+    return jnp.sum(out(q, k, v, *mask).astype(jnp.float32))
+
+  lowered = lambda f: jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+  forward, grad = lowered(out), lowered(jax.value_and_grad(loss, (0, 1, 2)))
+  assert forward.count("stablehlo.custom_call @tpu_custom_call") == 1
+  assert grad.count("stablehlo.custom_call @tpu_custom_call") == 3  # forward, dq, dk + dv
+  for name in ("attention_fwd", "attention_dq", "attention_dkv"):
+    assert name in grad, name
+
+
+def test_pallas_tpu_under_shard_map_over_rows(devices):
+  qkv, mask, w = make_inputs("group")
+  mesh = Mesh(np.array(devices[:2]), ("data",))
+  spec = P("data")
+
+  @jax.jit
+  def sharded(q, k, v, mask, w):
+    f = lambda q, k, v, mask, w: value_and_grads(q, k, v, mask, w, "pallas_tpu")
+    return jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)(q, k, v, mask, w)
+
+  o, g = sharded(*qkv, mask, w)
+  o_ref, g_ref = value_and_grads(*qkv, mask, w, "reference")
+  assert rel_err(o, o_ref) < 1e-5 and max(rel_err(a, b) for a, b in zip(g, g_ref)) < 1e-5
+
+
+def test_cudnn_off_a_gpu_raises():
+  if jax.default_backend() == "gpu":
+    pytest.skip("the backend has a GPU")
+  (q, k, v), mask, _ = make_inputs("packed", jnp.bfloat16)
+  with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU; the backend is"):
+    attention(q, k, v, *mask, implementation="cudnn")

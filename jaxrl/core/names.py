@@ -44,7 +44,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 # (`model.attention`); "auto" picks one per backend when the forward is traced.
 ATTENTION_IMPLS = ("auto", "dense", "xla")
 # jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
-ATTENTION_KERNELS = ("reference", "xla")
+ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "cudnn")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)
 DTYPES = ("float32", "bfloat16", "float16")

@@ -33,10 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.core import names
-from jaxrl.kernels.attention import reference, xla
+from jaxrl.kernels.attention import cudnn, pallas_tpu, reference, xla
 
-IMPLEMENTATIONS = ("reference", "xla")
-_FUNCTIONS = {"reference": reference.attention, "xla": xla.attention}
+IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "cudnn")
+# `pallas_tpu` compiles on TPU (interpreted on CPU, refused on GPU); `cudnn` runs on a CUDA GPU
+# in bf16 / f16 only (ValueError elsewhere). Their module docstrings give the constraints.
+_FUNCTIONS = {"reference": reference.attention, "xla": xla.attention,
+              "pallas_tpu": pallas_tpu.attention, "cudnn": cudnn.attention}
 names.check_registry("ATTENTION_KERNELS", names.ATTENTION_KERNELS, IMPLEMENTATIONS)
 names.check_registry("ATTENTION_KERNELS", names.ATTENTION_KERNELS, _FUNCTIONS)
 
@@ -75,9 +78,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment: jax.Array,
     kv_segment, kv_position: `[B, S]` int per key token; segment -1 is padding.
     kv_shared: `[B, S]` bool or None (none shared): the row's group prompt (module docstring).
     scale: score scale; None = `Dh ** -0.5`.
-    implementation: `reference` (dense `[B, H, T, S]`) or `xla` (blockwise); None =
-      `default_impl()`.
-    block_k: `xla`'s key block width (None: `xla.DEFAULT_BLOCK_K`); `reference` ignores it.
+    implementation: `reference` (dense `[B, H, T, S]`), `xla` (blockwise), `pallas_tpu`
+      (flash-attention kernels for TPU) or `cudnn` (cuDNN flash attention, CUDA GPU, bf16 /
+      f16, a dense `[B, 1, T, S]` mask); None = `default_impl()`.
+    block_k: `xla`'s key block width (None: `xla.DEFAULT_BLOCK_K`); `pallas_tpu`'s query and
+      key block width (None: its defaults; a multiple of 128 on TPU unless it covers the whole
+      sequence); `reference` and `cudnn` ignore it.
 
   Returns:
     `[B, T, H, Dh]` in q's dtype. Scores and softmax in float32. Differentiable w.r.t. q, k, v.
