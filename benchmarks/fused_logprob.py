@@ -135,7 +135,7 @@ def compare(args, n, d, v, interpret):
   t = effective_temperature(1.0, n)
   rollout = jnp.full((n,), -np.log(v), jnp.float32)
   tiles = dict(chunk_size=args.block_v, block_n=args.block_n, block_d=args.block_d,
-               splits=args.splits)
+               splits=args.splits, slice_v=args.slice_v)
   kernels = {"xla": functools.partial(xla_impl.fused_logprob, chunk_size=args.chunk_size),
              "pallas": functools.partial(pallas_gpu.fused_logprob, interpret=interpret, **tiles)}
   res, outs, fns = {}, {}, {}
@@ -168,7 +168,7 @@ def compare(args, n, d, v, interpret):
                                     "d_hidden": rel_err(dh, dh_x), "d_unembedding":
                                     rel_err(dw, dw_x)}
   plan = pallas_gpu.plan_tiles(n, d, v, dtype.itemsize, args.block_n, args.block_v,
-                              args.block_d, args.splits)
+                              args.block_d, args.splits, args.slice_v)
   res["pallas_tiles"] = plan._asdict()
   res["pallas_grids"] = pallas_gpu.plan_grids(n, d, v, plan)._asdict()
   return res
@@ -215,7 +215,9 @@ def main():
   ap.add_argument("--block-v", type=int, default=None, help="--compare: pallas vocabulary block")
   ap.add_argument("--block-d", type=int, default=None, help="--compare: pallas K step")
   ap.add_argument("--splits", type=int, default=None,
-                  help="--compare: pallas slices per kernel loop (default: by program count)")
+                  help="--compare: pallas forward vocabulary slices (default: by program count)")
+  ap.add_argument("--slice-v", type=int, default=None,
+                  help="--compare: pallas backward vocabulary slice (default: 256 MiB of dl)")
   args = ap.parse_args()
   if args.compare:
     run_compare(args)

@@ -177,22 +177,28 @@ def test_pallas_multiple_token_blocks():
 
 @pytest.mark.parametrize("n,d,v,tiles,dtype", [
     # The API's tiles: bn = 64 over N = 37 (27 pad rows), bv = 128 over V = 1000 (8 blocks, the
-    # last 104 wide), one K step of bd = 16; 8 vocabulary slices of one block each.
+    # last 104 wide), one K step of bd = 16; 8 forward slices of one block each, and the whole
+    # vocabulary in one backward slice.
     (N, D, V, dict(chunk_size=CHUNK), jnp.float32),
     # D = 24 padded to one K step of 32; V = 14 below the 16-column block.
     (21, 24, 14, {}, jnp.float32),
     # Ragged everything, several blocks of each loop: N = 37 in 3 token blocks of 16, D = 72 in
-    # 5 K steps of 16 (the last 8 wide), V = 300 in 5 blocks of 64 (the last 44 wide); 2 slices
-    # cut the vocabulary loops 3 + 2 blocks and the dW token loop 2 + 1.
-    (37, 72, 300, dict(chunk_size=64, block_n=16, block_d=16, splits=2), jnp.float32),
-    # bf16 tiles: D = 40 in 3 K steps of 16, V = 300 in 5 blocks of 64, 3 slices (2 + 2 + 1).
-    (40, 40, 300, dict(chunk_size=64, block_d=16, splits=3), jnp.bfloat16),
+    # 5 K steps of 16 (the last 8 wide), V = 300 in 5 blocks of 64 (the last 44 wide); the
+    # forward walks them in 2 slices (3 + 2 blocks), the backward in 3 slices of 128 columns
+    # starting at 0, 128 and 192 (the last re-covers 64 columns, which it must mask).
+    (37, 72, 300, dict(chunk_size=64, block_n=16, block_d=16, splits=2, slice_v=128),
+     jnp.float32),
+    # bf16 tiles: D = 40 in 3 K steps of 16, V = 300 in 5 blocks of 64; 3 forward slices
+    # (2 + 2 + 1 blocks), 2 backward slices of 192 columns (at 0 and 128).
+    (40, 40, 300, dict(chunk_size=64, block_d=16, splits=3, slice_v=192), jnp.bfloat16),
 ])
 def test_pallas_gpu_layout(n, d, v, tiles, dtype):
-  # The Triton-shaped kernels (K loop over D, vocabulary / token loops cut into slices that run
-  # as separate programs), run by the interpreter: the same numbers as the dense reference. A
-  # K loop that dropped its last, partial step would miss 8 of the 72 hidden units in every
-  # logit; a slice merge that skipped a slice would drop 2/5 of the vocabulary from lse.
+  # The Triton-shaped kernels (K loop over D, the forward's vocabulary loop cut into slices that
+  # run as separate programs, the backward's dl written a vocabulary slice at a time), run by
+  # the interpreter: the same numbers as the dense reference. A K loop that dropped its last,
+  # partial step would miss 8 of the 72 hidden units in every logit; a forward merge that
+  # skipped a slice would drop 2 of 5 vocabulary blocks from lse; a last backward slice that
+  # did not mask its re-covered columns would count their gradient twice.
   h, w, targets, temperature, _, _, weights = make_inputs(n, d, v, dtype)
   h = (h * np.sqrt(D / d)).astype(dtype)  # logits of the same size as at D = 16
   t = effective_temperature(temperature, n)
@@ -227,27 +233,28 @@ def test_pallas_gpu_layout_is_the_api_gpu_layout():
 def test_pallas_gpu_tiles():
   # Qwen2.5-0.5B in bf16 (the benchmark's shape): 128 x 128 logits tiles, K steps of 64
   # (64 x 2 bytes = 128 bytes of a row per step), and no padding copy: D = 896 = 14 x 64,
-  # V = 151936 = 1187 x 128, N = 8192 = 64 x 128. In f32 the K step halves to 32 (the same
-  # bytes of shared memory per pipeline stage).
-  assert pallas_gpu.plan_tiles(8192, 896, 151936, 2) == (128, 128, 64, None)
-  assert pallas_gpu.plan_tiles(8192, 896, 151936, 4) == (128, 128, 32, None)
+  # V = 151936 = 1187 x 128, N = 8192 = 64 x 128. The backward's dl slice is 256 MiB:
+  # 2**28 / (8192 x 2 bytes) = 16384 columns. In f32 the K step halves to 32 (the same bytes of
+  # shared memory per pipeline stage) and so does the slice.
+  assert pallas_gpu.plan_tiles(8192, 896, 151936, 2) == (128, 128, 64, None, 16384)
+  assert pallas_gpu.plan_tiles(8192, 896, 151936, 4) == (128, 128, 32, None, 8192)
   # Its grids: 64 token blocks are too few programs for 132 SMs, so the forward cuts the 1187
-  # vocabulary blocks into 16 slices of 75 (1024 programs), `dh` into 4 (256 programs, each
-  # slice an [N, D] f32 partial), and `dW` has 1187 programs of its own, each walking all 64
-  # token blocks.
+  # vocabulary blocks into 16 slices of 75 (1024 programs); the backward runs 10 slices of
+  # 128 blocks (the last one starting early), 64 x 128 = 8192 programs each.
   tiles = pallas_gpu.plan_tiles(8192, 896, 151936, 2)
-  assert pallas_gpu.plan_grids(8192, 896, 151936, tiles) == ((64, 16), 75, (64, 4), 297,
-                                                             (1187, 1), 64)
-  # `splits` given: every loop in 2 slices (fewer where the loop is shorter), none empty.
-  tiles = pallas_gpu.plan_tiles(37, 72, 300, 4, 16, 64, 16, splits=2)
-  assert pallas_gpu.plan_grids(37, 72, 300, tiles) == ((3, 2), 3, (3, 2), 3, (5, 2), 2)
+  assert pallas_gpu.plan_grids(8192, 896, 151936, tiles) == ((64, 16), 75, (64, 128), 10)
   # Tiles shrink to a small input (never below Triton's 16) and round down to powers of two; a
   # vocabulary block meant for `xla` (1024) is capped at 256 (a [128, 1024] f32 tile would be
   # 512 registers per thread).
-  assert pallas_gpu.plan_tiles(21, 24, 14, 4) == (32, 16, 32, None)
-  assert pallas_gpu.plan_tiles(5, 8, 8, 2) == (16, 16, 16, None)
+  assert pallas_gpu.plan_tiles(21, 24, 14, 4) == (32, 16, 32, None, 16)
+  assert pallas_gpu.plan_tiles(5, 8, 8, 2) == (16, 16, 16, None, 16)
   assert pallas_gpu.plan_tiles(8192, 896, 151936, 2, block_n=100, block_v=1024,
-                               block_d=96) == (64, 256, 64, None)
+                               block_d=96) == (64, 256, 64, None, 16384)
+  # `splits` and `slice_v` given (the test above's third case): the forward's 5 vocabulary
+  # blocks in 2 slices of up to 3, the backward's 320 padded columns in 3 slices of 128.
+  tiles = pallas_gpu.plan_tiles(37, 72, 300, 4, 16, 64, 16, splits=2, slice_v=100)
+  assert tiles.slice_v == 128  # rounded up to whole blocks of 64
+  assert pallas_gpu.plan_grids(37, 72, 300, tiles) == ((3, 2), 3, (3, 2), 3)
 
 
 def test_pallas_gpu_layout_lowers_to_triton():
@@ -273,7 +280,7 @@ def test_pallas_gpu_layout_lowers_to_triton():
   for n, d, v, dtype in ((8192, 896, 151936, jnp.bfloat16), (8192, 896, 151936, jnp.float32),
                          (640, 64, 14, jnp.float32), (64, 2048, 1000, jnp.float32)):
     text = lowered(n, d, v, dtype)
-    for name in ("fused_logprob_fwd_gpu", "fused_logprob_dh_gpu", "fused_logprob_dw_gpu"):
+    for name in ("fused_logprob_fwd_gpu", "fused_logprob_dl_gpu"):
       assert f'name = "{name}"' in text, name
 
 

@@ -3,33 +3,36 @@
 
 Same math as `xla.py` (see its docstring) and the `tpu` layout (`pallas_tpu`). Every logits tile
 `z = (h[rows] @ W[:, cols]) / t` is `[bn, bv]` in float32 registers, accumulated over the hidden
-dimension in slices of `bd` (a K loop: `[bn, bd]` and `[bd, bv]` operand tiles, which Triton
+dimension in steps of `bd` (a K loop over `[bn, bd]` and `[bd, bv]` operand tiles, which Triton
 pipelines `num_stages` deep through shared memory), so no tile holds a whole `D`-long row and
-the tile sizes do not depend on `D`. Triton runs a grid's programs concurrently, so no grid axis
-may accumulate; the accumulating axis is a loop inside the program, cut into `splits` slices
-that run as programs of their own and are summed afterwards:
+the tiles' sizes do not depend on `D`.
 
-- forward, grid `(N / bn, splits)`: program `(i, s)` walks the vocabulary blocks of slice `s`
+- forward, grid `(N / bn, splits)`: Triton runs a grid's programs concurrently, so no grid axis
+  may accumulate; program `(i, s)` walks the vocabulary blocks of slice `s` of the vocabulary
   with an online logsumexp and writes that slice's `m, s, a` (`[N, splits]`); XLA merges the
-  slices (a few bytes per row and slice).
-- `dh`, grid `(N / bn, splits)`: program `(i, s)` walks the vocabulary blocks of slice `s`,
-  recomputes each tile, `dl = -(p (g + e (z - lse + H))) / t`, and adds `dl @ W[k, cols]^T`
-  into its own `[bn, bd]` slices `k` of an f32 partial `dh` (one `[N, D]` partial per slice,
-  summed by XLA; at most `GPU_MAX_DH_SPLITS` of them).
-- `dW`, grid `(V / bv, splits)`: program `(j, s)` walks the token blocks of slice `s`,
-  recomputes each tile and adds `h[rows, k]^T @ dl` into its own `[bd, bv]` slices of `dW`.
+  slices (a few bytes per row and slice). The logits never leave registers.
+- backward, over vocabulary slices of `slice_v` columns (an XLA loop): the kernel, grid
+  `(N / bn, slice_v / bv)`, one program per tile, recomputes the tile and writes
+  `dl = -(p (g + e (z - lse + H))) / t` in the matmul dtype (`[N, slice_v]`, at most
+  `GPU_DL_SLICE_BYTES`); then `dh += dl @ W_slice^T` and `dW_slice = h^T @ dl` are two plain
+  GEMMs (XLA's, cuBLAS on a GPU).
 
-`dh` and `dW` accumulate in their output blocks (global memory, an f32 read and write per tile
-and `bd` slice) rather than in registers: a `[bn, D]` or `[D, bv]` accumulator does not fit in a
-program's registers at `D` in the thousands. Each output block belongs to one program, which
-reads back only what its own threads stored (the load and the store of a tile have the same
-layout), so there are no atomics and the result is deterministic.
+Why the backward GEMMs are not in the kernel: `dh[rows]` sums over the whole vocabulary and
+`dW[:, cols]` over all tokens, with `D` (896 to 8192) the other side of each. A `[bn, D]` or
+`[D, bv]` f32 accumulator does not fit in one program's registers, and the ways around that cost
+more than the GEMMs: accumulating in the output in global memory reads and writes
+`N V D 8 / bv` bytes for `dh` and `N V D 8 / bn` for `dW` (140 GB at Qwen2.5-0.5B size with 128 x
+128 tiles, mostly past the L2 cache), atomics move as much and are not deterministic, and
+tiling `D` in the accumulator recomputes the logits `D / bd` times. Written once in bf16, `dl`
+costs `2 N V` bytes (2.5 GB at that size) and leaves both products as large GEMMs.
 
 Triton needs every tile's size to be a power of two, at least 16: `D` is zero-padded to a
 multiple of `bd`, `V` to a multiple of `bv` (padded columns masked out of every sum), `N` to a
 multiple of `bn`; nothing is copied when the shape is already a multiple (Qwen2.5-0.5B's
-D = 896 = 14 x 64 and V = 151936 = 1187 x 128 are). The target-logit term is a gather /
-scatter-add outside the kernels (`common`), as in `xla`.
+D = 896 = 14 x 64 and V = 151936 = 1187 x 128 are). When `slice_v` does not divide the padded
+vocabulary, the last slice starts early and masks the columns the one before it covered (as the
+`xla` chunks do). The target-logit term is a gather / scatter-add outside the kernels (`common`),
+as in `xla`.
 """
 
 from __future__ import annotations
@@ -56,12 +59,12 @@ GPU_MAX_BLOCK_V = 256  # a larger `chunk_size` (e.g. one meant for `xla`) is cap
 GPU_BLOCK_D_BYTES = 128  # bd x itemsize: 64 bf16 or 32 f32 columns per K step
 GPU_NUM_WARPS = None  # None: 8 for tiles of more than 64 x 64, else 4
 GPU_NUM_STAGES = 3
-# Enough programs per kernel to fill an H100 (132 SMs, two programs each) about four times over,
-# so the last wave's idle tail is a small part of the run.
+# Enough forward programs to fill an H100 (132 SMs, two programs each) about four times over, so
+# the last wave's idle tail is a small part of the run.
 GPU_MIN_PROGRAMS = 1024
-# Each `dh` slice is an [N, D] f32 partial (29 MiB at N = 8192, D = 896); 4 of them with bn = 128
-# give 256 programs at N = 8192, about one wave of two programs per SM.
-GPU_MAX_DH_SPLITS = 4
+# The backward's `dl` buffer (one vocabulary slice for all tokens): 256 MiB is 16384 columns at
+# N = 8192 in bf16 (10 slices at V = 151936), each of its GEMMs some 240 GFLOP.
+GPU_DL_SLICE_BYTES = 256 << 20
 
 
 class Tiles(NamedTuple):
@@ -69,7 +72,8 @@ class Tiles(NamedTuple):
   bn: int  # token rows per tile
   bv: int  # vocabulary columns per tile
   bd: int  # hidden units per K step
-  splits: int | None  # slices of each kernel's loop run in parallel; None: `GPU_MIN_PROGRAMS`
+  splits: int | None  # forward: vocabulary slices run in parallel; None: `GPU_MIN_PROGRAMS`
+  slice_v: int  # backward: vocabulary columns per `dl` slice, a multiple of `bv`
 
 
 def _pow2_ceil(x: int) -> int:
@@ -91,42 +95,44 @@ def _fit(want: int, size: int, cap: int | None = None) -> int:
 
 def plan_tiles(n: int, d: int, v: int, itemsize: int, block_n: int | None = None,
                block_v: int | None = None, block_d: int | None = None,
-               splits: int | None = None) -> Tiles:
-  """The tiles for an `[n, d] x [d, v]` call in `itemsize`-byte operands (see the constants)."""
-  return Tiles(bn=_fit(block_n or GPU_BLOCK_N, n),
-               bv=_fit(block_v or GPU_BLOCK_V, v, GPU_MAX_BLOCK_V),
-               bd=_fit(block_d or GPU_BLOCK_D_BYTES // itemsize, d),
-               splits=None if splits is None else max(1, int(splits)))
+               splits: int | None = None, slice_v: int | None = None) -> Tiles:
+  """The tiles for an `[n, d] x [d, v]` call in `itemsize`-byte operands (see the constants);
+  `slice_v` (default: by `GPU_DL_SLICE_BYTES`) is rounded up to whole vocabulary blocks."""
+  bn = _fit(block_n or GPU_BLOCK_N, n)
+  bv = _fit(block_v or GPU_BLOCK_V, v, GPU_MAX_BLOCK_V)
+  nv = -(-v // bv)
+  if slice_v is None:
+    blocks = GPU_DL_SLICE_BYTES // (-(-n // bn) * bn * itemsize * bv)
+  else:
+    blocks = -(-int(slice_v) // bv)
+  return Tiles(bn=bn, bv=bv, bd=_fit(block_d or GPU_BLOCK_D_BYTES // itemsize, d),
+               splits=None if splits is None else max(1, int(splits)),
+               slice_v=max(1, min(blocks, nv)) * bv)
 
 
-def _slices(blocks: int, programs: int, splits: int | None, most: int | None = None):
+def _slices(blocks: int, programs: int, splits: int | None):
   """`(count, per)`: the loop over `blocks` cut into `count` slices of `per` blocks (the last
   may be shorter, none is empty), so that `programs` x `count` programs fill the GPU."""
   want = splits if splits is not None else -(-GPU_MIN_PROGRAMS // programs)
-  if most is not None and splits is None:
-    want = min(want, most)
   per = -(-blocks // max(1, min(want, blocks)))
   return -(-blocks // per), per
 
 
 class Grids(NamedTuple):
-  """Each kernel's grid and how many blocks of its loop one program walks (`per`)."""
+  """The kernels' grids."""
   fwd: tuple[int, int]  # (token blocks, vocabulary slices)
-  fwd_per: int
-  dh: tuple[int, int]  # (token blocks, vocabulary slices)
-  dh_per: int
-  dw: tuple[int, int]  # (vocabulary blocks, token slices)
-  dw_per: int
+  fwd_per: int  # vocabulary blocks one forward program walks (fewer in the last slice)
+  dl: tuple[int, int]  # (token blocks, vocabulary blocks of one slice), one program per tile
+  slices: int  # backward vocabulary slices (XLA loop iterations)
 
 
 def plan_grids(n: int, d: int, v: int, tiles: Tiles) -> Grids:
-  """The three kernels' grids for an `[n, d] x [d, v]` call with `tiles`."""
+  """The kernels' grids for an `[n, d] x [d, v]` call with `tiles`."""
   del d  # the K loop runs inside every program
   nb, nv = -(-n // tiles.bn), -(-v // tiles.bv)
   fwd, fwd_per = _slices(nv, nb, tiles.splits)
-  dh, dh_per = _slices(nv, nb, tiles.splits, GPU_MAX_DH_SPLITS)
-  dw, dw_per = _slices(nb, nv, tiles.splits)
-  return Grids((nb, fwd), fwd_per, (nb, dh), dh_per, (nv, dw), dw_per)
+  return Grids((nb, fwd), fwd_per, (nb, tiles.slice_v // tiles.bv),
+               -(-nv * tiles.bv // tiles.slice_v))
 
 
 def _loop_range(per: int, blocks: int):
@@ -178,19 +184,6 @@ def _dl(z, valid, t, lse, shift, g, ent, with_entropy, dt):
   return (-(p * coef) / t).astype(dt)
 
 
-def _zero(ref, nk: int, bd: int, axis: int):
-  """Zeroes an output block in `bd`-wide slices along `axis` (the tiles the kernel adds into)."""
-  shape = list(ref.shape)
-  shape[axis] = bd
-
-  def step(k, carry):
-    idx = (slice(None), _k(k, bd)) if axis == 1 else (_k(k, bd), slice(None))
-    ref[idx] = jnp.zeros(shape, ref.dtype)
-    return carry
-
-  lax.fori_loop(0, nk, step, 0)
-
-
 def _fwd_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, *, v, bv, bd, nk, nv, per,
                 with_entropy):
   t = t_ref[...]
@@ -219,53 +212,12 @@ def _fwd_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, *, v, bv, bd, nk, nv, 
   a_ref[...] = a
 
 
-def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dh_ref, *, v, bv, bd, nk,
-               nv, per, with_entropy, dt):
+def _dl_kernel(h_ref, w_ref, keep_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dl_ref, *, nk,
+               bd, with_entropy):
   t = t_ref[...]
-  lse, shift, g, ent = lse_ref[...], shift_ref[...], g_ref[...], e_ref[...]
-  lo, hi = _loop_range(per, nv)
-  _zero(dh_ref, nk, bd, axis=1)
-
-  def body(j, carry):
-    start = pl.multiple_of(j * bv, bv)
-    cols = pl.ds(start, bv)
-    z = _logits(h_ref, w_ref, slice(None), cols, t, (t.shape[0], bv), nk, bd)
-    dl = _dl(z, _valid(start, v, bv), t, lse, shift, g, ent, with_entropy, dt)
-
-    def add(k, c):
-      dh_ref[:, _k(k, bd)] += lax.dot_general(
-          dl, w_ref[_k(k, bd), cols], (((1,), (1,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=_precision(dl))
-      return c
-
-    return lax.fori_loop(0, nk, add, carry)
-
-  lax.fori_loop(lo, hi, body, 0)
-
-
-def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, shift_ref, g_ref, e_ref, dw_ref, *, v, bv, bn, bd,
-               nk, nb, per, with_entropy, dt):
-  start = pl.program_id(0) * bv
-  valid = _valid(start, v, bv)
-  lo, hi = _loop_range(per, nb)
-  _zero(dw_ref, nk, bd, axis=0)
-
-  def body(i, carry):
-    rows = pl.ds(pl.multiple_of(i * bn, bn), bn)
-    t = t_ref[rows, :]
-    z = _logits(h_ref, w_ref, rows, slice(None), t, (bn, bv), nk, bd)
-    dl = _dl(z, valid, t, lse_ref[rows, :], shift_ref[rows, :], g_ref[rows, :],
-             e_ref[rows, :], with_entropy, dt)
-
-    def add(k, c):
-      dw_ref[_k(k, bd), :] += lax.dot_general(
-          h_ref[rows, _k(k, bd)], dl, (((0,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=_precision(dl))
-      return c
-
-    return lax.fori_loop(0, nk, add, carry)
-
-  lax.fori_loop(lo, hi, body, 0)
+  z = _logits(h_ref, w_ref, slice(None), slice(None), t, dl_ref.shape, nk, bd)
+  dl_ref[...] = _dl(z, keep_ref[...] != 0, t, lse_ref[...], shift_ref[...], g_ref[...],
+                    e_ref[...], with_entropy, dl_ref.dtype)
 
 
 class _Padded(NamedTuple):
@@ -332,50 +284,46 @@ def _backward(h, w, targets, t, lse, entropy, g_lp, g_ent, tiles: Tiles, unused,
   dt = common.compute_dtype(h, w)
   p = _pad(h, w, t, tiles, dt)
   (n_pad, d_pad), v_pad = p.h.shape, p.w.shape[1]
-  bn, bv = tiles.bn, tiles.bv
+  bn, bv, sv = tiles.bn, tiles.bv, tiles.slice_v
   shift = lse - entropy if with_entropy else jnp.zeros_like(lse)
   # Zero cotangents on pad rows make their dl exactly 0.
   rows = (p.t, col(lse, n_pad), col(shift, n_pad), col(g_lp, n_pad), col(g_ent, n_pad))
   axes = common.varying_axes(p.h, p.w, *rows)
-  kw = dict(v=v, bv=bv, bd=tiles.bd, nk=p.nk, with_entropy=with_entropy, dt=dt)
-  params = _gpu_params(interpret, tiles)
-
-  grid = plan_grids(n, d, v, tiles)
-  count, per = grid.dh[1], grid.dh_per
-  row = pl.BlockSpec((bn, 1), lambda i, s: (i, 0))
-  nb = p.nb
-  dh = pl.pallas_call(
-      functools.partial(_dh_kernel, nv=p.nv, per=per, **kw),
-      out_shape=common.out_struct((count * n_pad, d_pad), jnp.float32, axes),
-      grid=(nb, count),
-      in_specs=[pl.BlockSpec((bn, d_pad), lambda i, s: (i, 0)),
-                pl.BlockSpec((d_pad, v_pad), lambda i, s: (0, 0))] + [row] * 5,
-      out_specs=pl.BlockSpec((bn, d_pad), lambda i, s: (s * nb + i, 0)),
-      compiler_params=params,
+  row = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
+  dl_slice = pl.pallas_call(
+      functools.partial(_dl_kernel, nk=p.nk, bd=tiles.bd, with_entropy=with_entropy),
+      out_shape=common.out_struct((n_pad, sv), dt, axes),
+      grid=plan_grids(n, d, v, tiles).dl,
+      in_specs=[pl.BlockSpec((bn, d_pad), lambda i, j: (i, 0)),
+                pl.BlockSpec((d_pad, bv), lambda i, j: (0, j)),
+                pl.BlockSpec((1, bv), lambda i, j: (0, j))] + [row] * 5,
+      out_specs=pl.BlockSpec((bn, bv), lambda i, j: (i, j)),
+      compiler_params=_gpu_params(interpret, tiles),
       interpret=interpret,
-      name="fused_logprob_dh_gpu",
-  )(p.h, p.w, *rows)
-  dh = jnp.sum(dh.reshape(count, n_pad, d_pad), axis=0)[:n, :d]
+      name="fused_logprob_dl_gpu",
+  )
 
-  count, per = grid.dw[1], grid.dw_per
-  whole_rows = pl.BlockSpec((n_pad, 1), lambda j, s: (0, 0))
-  dw = pl.pallas_call(
-      functools.partial(_dw_kernel, bn=bn, nb=nb, per=per, **kw),
-      out_shape=common.out_struct((count * d_pad, v_pad), jnp.float32, axes),
-      grid=(p.nv, count),
-      in_specs=[pl.BlockSpec((n_pad, d_pad), lambda j, s: (0, 0)),
-                pl.BlockSpec((d_pad, bv), lambda j, s: (0, j))] + [whole_rows] * 5,
-      out_specs=pl.BlockSpec((d_pad, bv), lambda j, s: (s, j)),
-      compiler_params=params,
-      interpret=interpret,
-      name="fused_logprob_dw_gpu",
-  )(p.h, p.w, *rows)
-  if count > 1:
-    dw = jnp.sum(dw.reshape(count, d_pad, v_pad), axis=0)
-  dw = dw[:d, :v]
+  def body(s, carry):
+    dh, dw = carry
+    start = jnp.minimum(s * sv, v_pad - sv)
+    ws = lax.dynamic_slice_in_dim(p.w, start, sv, axis=1)
+    cols = start + jnp.arange(sv)
+    # Columns an earlier slice covered (the last slice starts early) or past V: dl = 0.
+    keep = common.vary(((cols >= s * sv) & (cols < v)).astype(jnp.int32)[None], axes)
+    dl = dl_slice(p.h, ws, keep, *rows)
+    dh = dh + lax.dot_general(dl, ws, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+    dws = lax.dot_general(p.h, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # Adding (not overwriting) keeps what the slice before wrote into the overlap.
+    dw = lax.dynamic_update_slice_in_dim(
+        dw, lax.dynamic_slice_in_dim(dw, start, sv, axis=1) + dws, start, axis=1)
+    return dh, dw
 
+  init = (common.vary(jnp.zeros((n_pad, d_pad), jnp.float32), axes),
+          common.vary(jnp.zeros((d_pad, v_pad), jnp.float32), axes))
+  dh, dw = lax.fori_loop(0, plan_grids(n, d, v, tiles).slices, body, init)
   hc, wc = h.astype(dt), w.astype(dt)
-  dh, dw = common.add_target_grads(hc, wc, targets, t, g_lp, dh, dw)
+  dh, dw = common.add_target_grads(hc, wc, targets, t, g_lp, dh[:n, :d], dw[:d, :v])
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
@@ -384,20 +332,21 @@ _core = with_gradient(_forward, _backward)
 
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
                   interpret=None, block_n: int | None = None, block_d: int | None = None,
-                  splits: int | None = None):
+                  splits: int | None = None, slice_v: int | None = None):
   """`(logp [N], entropy [N] or None)`, float32, in the `gpu` layout; `t` is the effective
   temperature `[N]`.
 
   Tiles (each rounded down to a power of two, at least 16, and no larger than its dimension
   rounded up to one): `chunk_size` is the vocabulary block `bv` (default `GPU_BLOCK_V`, at most
   `GPU_MAX_BLOCK_V`), `block_n` the token block `bn` (default `GPU_BLOCK_N`), `block_d` the K
-  step `bd` (default `GPU_BLOCK_D_BYTES` / itemsize). `splits`: how many slices of each
-  kernel's loop run as separate programs (None: enough for `GPU_MIN_PROGRAMS` programs, at most
-  `GPU_MAX_DH_SPLITS` for `dh`). `interpret`: as in `api.pallas_fused_logprob`."""
+  step `bd` (default `GPU_BLOCK_D_BYTES` / itemsize). `splits`: how many slices of the
+  vocabulary the forward walks in parallel (None: enough for `GPU_MIN_PROGRAMS` programs).
+  `slice_v`: the backward's vocabulary slice (None: `GPU_DL_SLICE_BYTES` of `dl`).
+  `interpret`: as in `api.pallas_fused_logprob`."""
   if interpret is None:
     interpret = default_interpret(h, w, targets, t)
   itemsize = jnp.dtype(common.compute_dtype(h, w)).itemsize
   tiles = plan_tiles(h.shape[0], h.shape[1], w.shape[1], itemsize, block_n,
-                     None if chunk_size is None else int(chunk_size), block_d, splits)
+                     None if chunk_size is None else int(chunk_size), block_d, splits, slice_v)
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
   return _core(h, w, targets, t, tiles, None, bool(with_entropy), interpret)
