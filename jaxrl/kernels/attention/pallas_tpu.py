@@ -70,19 +70,25 @@ def _compiler_params(interpret, semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _block_scores(q_ref, k_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, j, *, scale,
-                  s_len):
-  """Float32 scores `[bq, bk]` of key block `j`: masked keys `MASK_VALUE`, keys past S `-inf`;
-  and the mask (True: attended)."""
-  s = lax.dot_general(q_ref[...], k_ref[...], _TRANS_B,
-                      preferred_element_type=jnp.float32) * scale
+def _block_mask(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref):
+  """`[bq, bk]` bool, True where the query attends the key (`reference.token_mask`)."""
   qs, qp = qseg_ref[...], qpos_ref[...]  # [bq, 1]
   ks, kp = kseg_ref[...], kpos_ref[...]  # [1, bk]
-  mask = (qs >= 0) & (ks >= 0) & (kp <= qp) & ((ks == qs) | (kshr_ref[...] != 0))
+  return (qs >= 0) & (ks >= 0) & (kp <= qp) & ((ks == qs) | (kshr_ref[...] != 0))
+
+
+def _real_keys(j, bk: int, s_len: int, axis: int):
+  """Which keys of block `j` lie before S: `[1, bk]` (axis 1) or `[bk, 1]` (axis 0)."""
+  shape = (1, bk) if axis == 1 else (bk, 1)
+  return j * bk + lax.broadcasted_iota(jnp.int32, shape, axis) < s_len
+
+
+def _block_scores(q_ref, k_ref, mask, j, *, scale, s_len):
+  """Float32 scores `[bq, bk]` of key block `j`: masked keys `MASK_VALUE`, keys past S `-inf`."""
+  s = lax.dot_general(q_ref[...], k_ref[...], _TRANS_B,
+                      preferred_element_type=jnp.float32) * scale
   s = jnp.where(mask, s, MASK_VALUE)
-  bk = s.shape[1]
-  col = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-  return jnp.where(col < s_len, s, -jnp.inf), mask
+  return jnp.where(_real_keys(j, s.shape[1], s_len, 1), s, -jnp.inf)
 
 
 def _fwd_kernel(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, q_ref, k_ref, v_ref,
@@ -95,19 +101,40 @@ def _fwd_kernel(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, q_ref, k_ref, 
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  s, _ = _block_scores(q_ref, k_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, j,
-                       scale=scale, s_len=s_len)
-  m_prev = m_sc[...]
-  # Key block 0 always holds key 0 (a real key), so m_new is finite from the first block on and
-  # e^{m_prev - m_new} is 0, not NaN, there.
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-  alpha = jnp.exp(m_prev - m_new)
-  p = jnp.exp(s - m_new)
-  l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
-  v = v_ref[...]
-  acc_sc[...] = acc_sc[...] * alpha + jnp.dot(p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
-  m_sc[...] = m_new
+  mask = _block_mask(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref)
+  live = jnp.any(mask)
+
+  @pl.when(live)
+  def _attend():
+    s = _block_scores(q_ref, k_ref, mask, j, scale=scale, s_len=s_len)
+    m_prev = m_sc[...]
+    # Key block 0 always holds key 0 (a real key), so m_new is finite from the first block on
+    # and e^{m_prev - m_new} is 0, not NaN, there.
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new)
+    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+    v = v_ref[...]
+    acc_sc[...] = acc_sc[...] * alpha + jnp.dot(p.astype(v.dtype), v,
+                                                preferred_element_type=jnp.float32)
+    m_sc[...] = m_new
+
+  # A block nobody in it attends (causally later, another segment: half the blocks of a causal
+  # row) skips both matmuls. Its real keys all score MASK_VALUE, which weighs e^0 = 1 in rows
+  # that have attended nothing yet (they must end as the mean of all S values) and 0 in every
+  # other row: the same update as `_attend`, from the block's value sum.
+  @pl.when(jnp.logical_not(live))
+  def _masked():
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, MASK_VALUE)
+    alpha = jnp.exp(m_prev - m_new)
+    w = jnp.exp(MASK_VALUE - m_new)  # [bq, 1]: 1 or 0
+    n_real = jnp.sum(_real_keys(j, k_ref.shape[0], s_len, 1).astype(jnp.float32), axis=1,
+                     keepdims=True)
+    v_sum = jnp.sum(v_ref[...].astype(jnp.float32), axis=0, keepdims=True)  # padding keys are 0
+    l_sc[...] = l_sc[...] * alpha + w * n_real
+    acc_sc[...] = acc_sc[...] * alpha + w * v_sum
+    m_sc[...] = m_new
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -116,10 +143,10 @@ def _fwd_kernel(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, q_ref, k_ref, 
     l_ref[...] = l_sc[...]
 
 
-def _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, ids, j, *, scale, s_len):
+def _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, mask, j, *, scale, s_len):
   """`(p, ds)` `[bq, bk]` float32 of key block `j`: the probabilities recomputed from the saved
   statistics and the scores' cotangent (0 where masked)."""
-  s, mask = _block_scores(q_ref, k_ref, *ids, j, scale=scale, s_len=s_len)
+  s = _block_scores(q_ref, k_ref, mask, j, scale=scale, s_len=s_len)
   p = jnp.exp(s - m_ref[...]) / l_ref[...]
   dp = lax.dot_general(do_ref[...], v_ref[...], _TRANS_B, preferred_element_type=jnp.float32)
   ds = jnp.where(mask, p * (dp - delta_ref[...]), 0.0) * scale
@@ -134,11 +161,15 @@ def _dq_kernel(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, q_ref, k_ref, v
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  ids = (qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref)
-  _, ds = _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, ids, j, scale=scale,
-                    s_len=s_len)
-  k = k_ref[...]
-  dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  mask = _block_mask(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref)
+
+  # ds is 0 wherever the mask is, so a block nobody attends adds nothing to dq.
+  @pl.when(jnp.any(mask))
+  def _attend():
+    _, ds = _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, mask, j,
+                      scale=scale, s_len=s_len)
+    k = k_ref[...]
+    dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -156,12 +187,25 @@ def _dkv_kernel(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref, q_ref, k_ref, 
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  ids = (qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref)
-  p, ds = _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, ids, j, scale=scale,
-                    s_len=s_len)
-  do, q = do_ref[...], q_ref[...]
-  dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-  dk_sc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+  mask = _block_mask(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref)
+  live = jnp.any(mask)
+
+  @pl.when(live)
+  def _attend():
+    p, ds = _block_ds(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, mask, j,
+                      scale=scale, s_len=s_len)
+    do, q = do_ref[...], q_ref[...]
+    dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk_sc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
+  # A block nobody attends: no dk; each real key's p is `e^{MASK_VALUE - m} / l` (1 / l in a
+  # row that attends nothing, else 0), the same for every key, so dv gets that row sum of do.
+  @pl.when(jnp.logical_not(live))
+  def _masked():
+    w = jnp.exp(MASK_VALUE - m_ref[...]) / l_ref[...]  # [bq, 1]
+    w_do = jnp.sum(w * do_ref[...].astype(jnp.float32), axis=0, keepdims=True)  # [1, Dh]
+    real = _real_keys(j, k_ref.shape[0], s_len, 0)  # [bk, 1]
+    dv_sc[...] += jnp.where(real, w_do, 0.0)
 
   @pl.when(last)
   def _finish():
