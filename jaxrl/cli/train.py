@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
+from jaxrl.config import memory
 from jaxrl.core.errors import UserError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "default.py")
@@ -148,17 +149,65 @@ def _device_memory() -> int | None:
     return 0
 
 
+def _device_limit() -> int | None:
+  """One device's memory (the smallest `bytes_limit` of this process's devices) for the memory
+  plan, or `JAXRL_DEVICE_MEMORY_BYTES` when set; None on CPU or when the backend does not say."""
+  import jax
+
+  reported = None
+  if jax.default_backend() != "cpu":
+    try:
+      reported = min(int(d.memory_stats()["bytes_limit"]) for d in jax.local_devices())
+    except Exception:  # no memory_stats on this backend, or no bytes_limit in it
+      reported = None
+  return memory.device_limit(reported)
+
+
 def _validate(cfg: ConfigDict, problems: list[str]) -> config_lib.MeshShape:
   """Joins the processes and validates `cfg` on the devices they have; raises ConfigError naming
-  every problem, those in `problems` (bad overrides) first."""
+  every problem, those in `problems` (bad overrides) first. A memory plan near the device's
+  limit is a warning line on stderr."""
   import jax  # after flag parsing, so --help and bad flags never initialise a backend
 
   # Joining the processes comes first: it decides the device count the mesh is checked against.
   settings = config_lib.distributed_settings(cfg)
   if settings is not None:  # else validate() names the bad keys along with any others
     _join(cfg, settings, problems)
-  return config_lib.validate(cfg, jax.device_count(), problems=problems,
-                             num_processes=jax.process_count(), device_memory=_device_memory())
+  notes: list[str] = []
+  mesh = config_lib.validate(cfg, jax.device_count(), problems=problems,
+                             num_processes=jax.process_count(), device_memory=_device_memory(),
+                             device_limit=_device_limit(), backend=jax.default_backend(),
+                             notes=notes)
+  for note in notes:
+    print(note, file=sys.stderr, flush=True)
+  return mesh
+
+
+def out_of_memory_message(e: BaseException, cfg: ConfigDict,
+                          mesh_shape: config_lib.MeshShape | None) -> str | None:
+  """The one `jaxrl: out of memory on <device>: ...` line for XLA's out-of-memory error (or an
+  error it caused), with the memory plan's numbers and the keys that lower them; None for any
+  other error."""
+  if not memory.is_out_of_memory(e):
+    return None
+  import jax
+
+  from jaxrl.config.schema import flatten
+
+  try:
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", "") or ""
+    name = device.platform if kind.lower() in ("", device.platform) else \
+        f"{device.platform} ({kind})"
+  except Exception:  # the backend itself is what failed
+    name = "the device"
+  good = flatten(cfg)
+  plan = None
+  if mesh_shape is not None:
+    inputs = memory.inputs_from_config(good, mesh_shape, jax.default_backend(),
+                                       jax.process_count())
+    plan = None if inputs is None else memory.plan_memory(inputs)
+  return memory.out_of_memory_message(e, plan, name, good)
 
 
 def _leave(message: str | None, e: BaseException | None) -> None:
@@ -248,7 +297,7 @@ def main(argv: list[str]) -> None:
     entry(cfg, run_dir, mesh_shape, stop=stop, started=STARTED)
   except BaseException as e:
     message = f"jaxrl: stopped: {e}" if isinstance(e, TrainingHalted) else \
-        None if debug else user_message(e)
+        None if debug else user_message(e) or out_of_memory_message(e, cfg, mesh_shape)
     if peers.WATCH is not None and not isinstance(e, SystemExit):
       _leave(message, e)
     if message is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl.config import preflight
+from jaxrl.config import memory, preflight
 from jaxrl.config.mesh import MeshShape, resolve_mesh_shape
 from jaxrl.config.schema import (DISTRIBUTED_RULES, PREFIX, RULES, ConfigError, Rule,
                                  check_schema, describe, flatten, parse_profile_steps, type_ok)
@@ -36,7 +36,9 @@ def validate(cfg: ConfigDict, num_devices: int,
              task_names: Collection[str] | None = None,
              problems: Collection[str] = (), *,
              num_processes: int | None = None,
-             device_memory: int | None = None) -> MeshShape:
+             device_memory: int | None = None,
+             device_limit: int | None = None, backend: str = "cpu",
+             notes: list[str] | None = None) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
   A config file must start from `jaxrl.recipes.default.get_config()` and change values: keys
@@ -54,6 +56,10 @@ def validate(cfg: ConfigDict, num_devices: int,
       checks (`rollout.lag`, `rollout.engine`) apply to it. None: the explicit keys alone.
     device_memory: bytes of memory this process's devices hold, for the batch size check; None:
       the devices are the host's CPU (their arrays count against host memory); 0: unknown.
+    device_limit: bytes of one device's memory, for the memory plan (`jaxrl.config.memory`:
+      train step and sampler together); None: unknown (CPU), not checked.
+    backend: the devices' platform ("cpu", "gpu", "tpu"): it decides `model.attention = auto`.
+    notes: where a warning goes (a plan near the device's limit), one line each.
 
   Returns:
     The mesh shape with a -1 axis resolved against `num_devices`.
@@ -83,6 +89,8 @@ def validate(cfg: ConfigDict, num_devices: int,
   preflight.check_resume(good, problems)
   preflight.check_memory(good, problems, processes, device_memory,
                          preflight.host_memory_bytes())
+  memory.check_device(good, mesh, device_limit, problems, [] if notes is None else notes,
+                      backend, processes)
   if problems:
     raise ConfigError(problems)
   assert mesh is not None

@@ -23,6 +23,8 @@ import os
 import jax
 
 from jaxrl import config as config_lib
+from jaxrl.config import memory
+from jaxrl.config.schema import flatten
 from jaxrl.learner.rl import CompileAhead
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl.run import directory as run_dir_lib
@@ -92,6 +94,11 @@ def _announce(s: Session, cfg, mesh_shape) -> None:
   s.progress.say(f"jaxrl | run dir {s.run_dir} | task {cfg.task.name} | model {n_params:,} "
                  f"params | mesh {mesh_shape.data}x{mesh_shape.fsdp}x{mesh_shape.tensor} on "
                  f"{jax.devices()[0].platform}")
+  # The memory plan that validation checked against the device (`jaxrl.config.memory`).
+  inputs = memory.inputs_from_config(flatten(cfg), mesh_shape, jax.default_backend(),
+                                     jax.process_count(), vocab=s.parts.model_cfg.vocab_size)
+  if inputs is not None:
+    s.progress.say(memory.plan_memory(inputs).render())
   if s.parts.teacher is not None:
     d = cfg.distill
     s.progress.say(f"distillation: teacher {s.parts.teacher.source}, coef {d.coef}, task reward "

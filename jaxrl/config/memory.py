@@ -1,0 +1,422 @@
+"""Memory plan: the per-device bytes a run needs, from its config alone, before anything compiles.
+
+Both programs that can be live at once are counted (`plan_memory`):
+
+- the train step: params (master dtype), Adam's mu and nu, the gradients (twice with
+  micro-batches: the accumulator and one micro-batch's), a reference copy for `ref_kl`, the lag
+  ring's train batches, and the step's activation temporaries (`activation_bytes`);
+- the sampler: its published params copy (rollout dtype), the KV cache (rows or engine slots x
+  (prompt + completion budget) x layers x 2 x kv heads x head dim x cache dtype) and its prefill
+  temporaries.
+
+`rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
+Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
+
+The activation temporaries are counted in buffers of `positions x width` per micro-batch and
+device (`ACTIVATION_BUFFERS`), calibrated against the compiled train step's
+`memory_analysis().temp_size_in_bytes` on CPU in float32 with scanned layers
+(tests/test_memory_budget.py checks agreement within 20%): with `model.remat` "full" each layer
+keeps its input and one layer is recomputed at a time; "dots" keeps the weight matmuls' outputs
+too; "none" keeps everything, including each layer's [positions, heads, keys] f32 attention
+scores when attention is dense. Unrolled layers (`model.scan_layers = false`) are planned as
+"none" whatever the policy: XLA schedules their recomputation freely (measured on CPU: 8-23% under
+that). `positions` is one number (`microbatch_positions`), so packing rows into a token budget
+plugs in there.
+
+No jax is imported: `jaxrl.config.validate` calls `check_device` before anything is built, and
+the run prints `MemoryPlan.render()` at its start. `JAXRL_DEVICE_MEMORY_BYTES` (a testing and
+override knob) sets the per-device limit where the backend does not say (CPU) or overrides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl.config.mesh import MeshShape
+from jaxrl.config.microbatch import resolve_microbatches
+from jaxrl.config.schema import PREFIX
+from jaxrl.data import hf_files
+
+LIMIT_ENV = "JAXRL_DEVICE_MEMORY_BYTES"
+WARN_FRACTION = 0.9  # a plan above this share of the device's memory is a warning line
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+
+# Buffers of `positions x width` of the train step's temporaries, by remat policy: per layer kept
+# for the backward pass, and for the one layer being differentiated (recomputed). Widths: d
+# (d_model), qkv ((heads + 2 kv heads) x head dim), mlp (mlp_dim), each in the compute dtype, and
+# scores (the attention's query-key pairs x heads, always f32). Fitted by least squares to 17
+# shapes per policy (compiled train steps on CPU, f32; every one within 10%), then rounded.
+ACTIVATION_BUFFERS = {
+    #         kept per layer: d, qkv, mlp, scores   one layer: d, qkv, mlp, scores
+    "full": ((1.0, 0.0, 0.0, 0.0), (7.0, 0.0, 6.0, 2.5)),
+    "dots": ((4.0, 2.0, 1.0, 0.0), (0.0, 0.0, 7.5, 1.5)),
+    "none": ((11.5, 0.0, 6.5, 1.0), (0.0, 0.0, 0.0, 4.0)),
+}
+XLA_BLOCK_K = 256  # the blockwise attention's key block (`jaxrl.kernels.attention.xla`)
+LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_logprob.xla`)
+AUTO_DENSE_MAX_LENGTH = 1024  # `model.attention = "auto"` on CPU: dense up to this row length
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+  """What the plan reads from a run config, per device where it says so."""
+
+  vocab: int
+  d_model: int
+  layers: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  params: int  # the model's parameters
+  trained_params: int  # what the optimizer trains (LoRA: the adapters alone)
+  param_bytes: int  # master dtype (LoRA: the frozen base's)
+  compute_bytes: int
+  rollout_param_bytes: int
+  cache_bytes: int
+  remat: str  # as planned: "none" for unrolled layers
+  attention: str  # "dense" or "xla", resolved for the row length
+  microbatches: int
+  positions: int  # per device and micro-batch (`microbatch_positions`)
+  attention_pairs: int  # query-key pairs per device and micro-batch (per head)
+  completion_tokens: int  # per device and micro-batch (the fused log-prob's rows)
+  batch_bytes: int  # one train batch per device
+  kv_rows: int  # per device
+  kv_head_shards: int  # the cache's kv heads split over 'tensor'
+  cache_slots: int
+  prompt_len: int
+  lag: int
+  colocated: bool
+  param_shards: int
+  rollout_param_shards: int
+  ref_params: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Per-device bytes of each part (`parts`), of each program (`train`, `rollout`) and the peak
+  of both as the run overlaps them (`total`)."""
+
+  parts: dict[str, int]
+  train: int
+  rollout: int
+  total: int
+  inputs: PlanInputs
+
+  def largest(self, n: int = 2) -> list[tuple[str, int]]:
+    return sorted(self.parts.items(), key=lambda kv: -kv[1])[:n]
+
+  def render(self) -> str:
+    """One paragraph: the parts of each program, how they overlap and the total."""
+    i, p = self.inputs, self.parts
+    g = lambda n: f"{n / GIB:,.2f}"
+    train = ", ".join(f"{k} {g(p[k])}" for k in TRAIN_PARTS if p.get(k))
+    rollout = ", ".join(f"{k} {g(p[k])}" for k in ROLLOUT_PARTS if p.get(k))
+    how = ("on other devices (disaggregated): the larger" if not i.colocated else
+           f"rollout.lag {i.lag}: both at once" if i.lag else "rollout.lag 0: one at a time")
+    return (f"memory plan per device (GiB): train step {g(self.train)} ({train}; remat "
+            f"{i.remat}, {i.attention} attention, {i.microbatches} micro-batch(es) of "
+            f"{i.positions:,} positions) | sampler {g(self.rollout)} ({rollout}; KV cache "
+            f"{i.kv_rows:,} rows x {i.cache_slots:,} slots) | {how}: {g(self.total)}")
+
+
+TRAIN_PARTS = ("params", "optimizer", "gradients", "ref_params", "batches", "activations")
+ROLLOUT_PARTS = ("rollout_params", "kv_cache", "sampler_temps")
+
+
+def param_count(vocab: int, d: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                mlp: int, tie_embeddings: bool = False, qkv_bias: bool = False,
+                qk_norm: bool = False) -> int:
+  """Parameters of the decoder (`jaxrl.models.transformer`): embeddings (and an untied head),
+  per layer q/k/v/o and SwiGLU projections and two norms, a final norm."""
+  qkv = (heads + 2 * kv_heads) * head_dim
+  per_layer = d * qkv + heads * head_dim * d + 3 * d * mlp + 2 * d
+  per_layer += qkv * qkv_bias + 2 * head_dim * qk_norm
+  return vocab * d * (1 if tie_embeddings else 2) + d + layers * per_layer
+
+
+def activation_bytes(i: PlanInputs) -> int:
+  """The train step's temporaries besides the gradients: each layer's kept activations and one
+  layer's recomputation (`ACTIVATION_BUFFERS`), or the fused log-prob's vocabulary chunks when
+  they are larger (they are not live at the same time on CPU: measured)."""
+  kept, layer = ACTIVATION_BUFFERS[i.remat]
+  widths = (i.d_model, (i.heads + 2 * i.kv_heads) * i.head_dim, i.mlp_dim)
+  scores = i.attention_pairs * i.heads * 4
+
+  def buffers(counts, n: int) -> float:
+    dense = sum(c * w for c, w in zip(counts[:3], widths)) * i.positions * i.compute_bytes
+    return n * (dense + counts[3] * scores)
+
+  logprob = 3 * i.completion_tokens * min(LOGPROB_CHUNK, i.vocab) * 4
+  return int(buffers(kept, i.layers) + max(buffers(layer, 1), logprob))
+
+
+def plan_memory(i: PlanInputs) -> MemoryPlan:
+  """The per-device plan of `i` (module docstring)."""
+  params = i.params * i.param_bytes // i.param_shards
+  lora = i.trained_params != i.params
+  trained = i.trained_params * 4 if lora else params  # LoRA adapters: f32, replicated
+  if lora:
+    params += trained
+  copies = 2 if i.lag and i.colocated else 1  # the version sampled and the one just published
+  kv = i.kv_rows * i.cache_slots * (
+      i.layers * 2 * i.kv_heads * i.head_dim * i.cache_bytes // i.kv_head_shards + 1)
+  prefill = i.kv_rows * i.prompt_len
+  parts = {
+      "params": params,
+      "optimizer": 2 * trained,
+      "gradients": trained * (2 if i.microbatches > 1 else 1),
+      "ref_params": trained if i.ref_params else 0,
+      "batches": i.batch_bytes * (i.lag + 1),
+      # The optimizer's update (one params-sized tree) runs after the backward pass.
+      "activations": max(activation_bytes(i), trained),
+      "rollout_params": copies * i.params * i.rollout_param_bytes // i.rollout_param_shards,
+      "kv_cache": kv,
+      # Prefill (no backward): a few [positions, width] buffers, the dense scores of the prompt
+      # against the cache, the first logits (f32).
+      "sampler_temps": (prefill * (4 * i.d_model + 3 * i.mlp_dim) * i.cache_bytes
+                        + 2 * i.kv_rows * i.heads * i.prompt_len * i.cache_slots * 4
+                        + 2 * i.kv_rows * i.vocab * 4),
+  }
+  train = sum(parts[k] for k in TRAIN_PARTS)
+  rollout = sum(parts[k] for k in ROLLOUT_PARTS)
+  state = parts["params"] + parts["optimizer"] + parts["ref_params"] + parts["batches"]
+  one_copy = i.params * i.rollout_param_bytes // i.rollout_param_shards
+  if not i.colocated:
+    total = max(train, rollout)
+  elif i.lag:
+    total = train + rollout
+  else:
+    total = max(train + one_copy, state + rollout)
+  return MemoryPlan(parts, train, rollout, total, i)
+
+
+def microbatch_positions(rows: int, shards: int, microbatches: int, prompt_len: int,
+                         completion_len: int, group: int = 0) -> tuple[int, int]:
+  """(positions, longest row) of one device's micro-batch: rows x (prompt + completion), or with
+  shared prompts (`group` > 1) groups x (prompt + group x completion) as one packed row each."""
+  per = max(rows // max(shards, 1) // max(microbatches, 1), 1)
+  if group > 1:
+    row = prompt_len + group * completion_len
+    return max(per // group, 1) * row, row
+  return per * (prompt_len + completion_len), prompt_len + completion_len
+
+
+def _model_dims(good: Mapping[str, Any]) -> dict[str, Any] | None:
+  """The model's shape: the config's, or a Hugging Face directory's config.json."""
+  keys = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+          "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm")
+  if good.get("model.hf_path"):
+    try:
+      hf = hf_files.read_json(os.path.join(good["model.hf_path"], hf_files.MODEL_CONFIG_FILE))
+      heads = int(hf["num_attention_heads"])
+      return dict(vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+                  num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+                  num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                  head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                  mlp_dim=int(hf["intermediate_size"]),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  qkv_bias="qwen2" in str(hf.get("model_type", "")).lower(), qk_norm=False)
+    except (hf_files.HFTokenizerError, OSError, ValueError, KeyError, TypeError,
+            ZeroDivisionError):
+      return None
+  if not all(f"model.{k}" in good for k in keys):
+    return None
+  dims = {k: good[f"model.{k}"] for k in keys}
+  dims["vocab_size"] = dims["vocab_size"] or 256  # the task's character tokenizer: small
+  return dims
+
+
+NEEDED = ("model.param_dtype", "model.dtype", "model.remat", "model.scan_layers",
+          "model.attention", "rollout.num_prompts", "rollout.group_size", "rollout.max_prompt_len",
+          "rollout.max_new_tokens", "rollout.max_total_tokens", "rollout.lag", "rollout.dtype",
+          "rollout.engine", "rollout.engine_slots", "train.num_microbatches",
+          "train.microbatch_tokens", "train.share_prompts", "ref_kl.coef", "model.lora.rank",
+          "model.lora.targets")
+
+
+def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = "cpu",
+                       num_processes: int = 1, vocab: int | None = None) -> PlanInputs | None:
+  """The plan's inputs from a flat (dotted keys) run config on `mesh`; None when a key it needs
+  is missing or bad (validation names those) or the model's shape is unknown. `vocab`: the
+  tokenizer's size where `model.vocab_size` is 0 (known once the task is built).
+
+  `train.packing` (where the config has it): each device's micro-batch is one packed row of
+  `train.microbatch_tokens` positions."""
+  dims = _model_dims(good)
+  if dims is None or not all(k in good for k in NEEDED):
+    return None
+  if vocab and not good.get("model.vocab_size") and not good.get("model.hf_path"):
+    dims["vocab_size"] = vocab
+  v, d, layers, heads, kv, hd, mlp = (dims[k] for k in (
+      "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"))
+  n = param_count(v, d, layers, heads, kv, hd, mlp, dims["tie_embeddings"], dims["qkv_bias"],
+                  dims["qk_norm"])
+  trained = n
+  if good["model.lora.rank"]:
+    widths = {"q": (d, heads * hd), "k": (d, kv * hd), "v": (d, kv * hd), "o": (heads * hd, d),
+              "gate": (d, mlp), "up": (d, mlp), "down": (mlp, d)}
+    targets = [t.strip() for t in good["model.lora.targets"].split(",") if t.strip()]
+    trained = layers * good["model.lora.rank"] * sum(sum(widths.get(t, (0, 0))) for t in targets)
+  rows, group = good["rollout.num_prompts"] * good["rollout.group_size"], good["rollout.group_size"]
+  lp = good["rollout.max_prompt_len"]
+  new = good["rollout.max_total_tokens"] or good["rollout.max_new_tokens"]
+  shards = mesh.data * mesh.fsdp
+  share = group if good["train.share_prompts"] and group > 1 else 0
+  m = resolve_microbatches(good["train.num_microbatches"], rows, lp + new, shards,
+                           good["train.microbatch_tokens"], group=share, prompt_len=lp)
+  share = share if share and rows % (share * m) == 0 else 0
+  positions, row = microbatch_positions(rows, shards, m, lp, new, share)
+  per = max(rows // shards // m, 1)
+  if good.get("train.packing"):  # token-budget packing: one packed row per shard and micro-batch
+    tokens = good["train.microbatch_tokens"]
+    positions = row = tokens
+    m = -(-rows * (lp + new) // shards // max(tokens, 1))
+    per, share = max(tokens // (lp + new), 1), 0
+  attention = good["model.attention"]
+  if attention == "auto":
+    attention = "dense" if backend == "cpu" and row <= AUTO_DENSE_MAX_LENGTH else "xla"
+  if attention != "dense":
+    pairs = positions * min(XLA_BLOCK_K, row)
+  elif share:  # each prompt over itself, each completion over its prompt and itself
+    pairs = per // share * lp * lp + per * new * (lp + new)
+  elif good.get("train.packing"):  # a dense mask over the whole packed row
+    pairs = row * row
+  else:
+    pairs = per * (lp + new) ** 2
+  rollout = good["rollout.dtype"]
+  param_b, compute_b = DTYPE_BYTES[good["model.param_dtype"]], DTYPE_BYTES[good["model.dtype"]]
+  rollout_b = param_b if rollout == "auto" else DTYPE_BYTES[rollout]
+  cache_b = compute_b if rollout == "auto" else DTYPE_BYTES[rollout]
+  colocated = not mesh.disaggregated
+  r_data, _, r_tensor = (mesh.data, mesh.fsdp, mesh.tensor) if colocated else mesh.rollout_shape
+  share_rows = -(-rows // max(num_processes, 1))
+  slots = good["rollout.engine_slots"] if good["rollout.engine"] == "continuous" else 0
+  kv_rows = -(-(slots or share_rows) // r_data)
+  kv_split = r_tensor if kv % r_tensor == 0 else 1
+  return PlanInputs(
+      vocab=v, d_model=d, layers=layers, heads=heads, kv_heads=kv, head_dim=hd, mlp_dim=mlp,
+      params=n, trained_params=trained, param_bytes=param_b, compute_bytes=compute_b,
+      rollout_param_bytes=rollout_b, cache_bytes=cache_b,
+      remat=good["model.remat"] if good["model.scan_layers"] else "none", attention=attention,
+      microbatches=m, positions=positions, attention_pairs=pairs,
+      completion_tokens=per * new, batch_bytes=-(-rows * (5 * lp + 10 * new + 12) // shards),
+      # The cache's rows go over 'data', its kv heads over 'tensor' where they divide
+      # (`parallel.sharding.kv_cache_shardings`).
+      kv_rows=kv_rows, kv_head_shards=kv_split, cache_slots=lp + new,
+      prompt_len=lp, lag=good["rollout.lag"], colocated=colocated,
+      param_shards=mesh.fsdp * mesh.tensor,
+      rollout_param_shards=mesh.fsdp * mesh.tensor if colocated else r_tensor,
+      ref_params=good["ref_kl.coef"] != 0)
+
+
+def advice(plan: MemoryPlan, good: Mapping[str, Any] | None = None) -> list[str]:
+  """The config keys that lower the plan's largest parts, largest part first."""
+  good = good or {}
+  i = plan.inputs
+  auto = good.get("train.num_microbatches") == 0
+  keys_of = {
+      "activations": ["train.microbatch_tokens" if auto else "train.num_microbatches"]
+      + (["model.remat"] if i.remat != "full" else [])
+      + (["model.attention"] if i.attention == "dense" else []),
+      "kv_cache": (["rollout.engine_slots"] if good.get("rollout.engine") == "continuous" else
+                   ["rollout.num_prompts", "rollout.group_size"])
+      + ["rollout.max_new_tokens", "mesh.data"],
+      "sampler_temps": ["rollout.num_prompts", "rollout.max_prompt_len"],
+      "rollout_params": ["rollout.dtype", "mesh.tensor"],
+      "params": ["mesh.fsdp", "model.param_dtype"],
+      "optimizer": ["mesh.fsdp", "model.lora.rank"],
+      "gradients": ["mesh.fsdp", "model.lora.rank"],
+      "ref_params": ["ref_kl.coef"],
+      "batches": ["rollout.num_prompts", "rollout.lag"],
+  }
+  out: list[str] = []
+  for part, _ in plan.largest(2):
+    out += [k for k in keys_of[part][:3] if k not in out]
+  if i.lag and i.colocated and "rollout.lag" not in out:
+    out.append("rollout.lag")  # 0 alternates the two programs instead of summing them
+  return out
+
+
+def _gib(n: float) -> str:
+  return f"{n / GIB:,.2f} GiB"
+
+
+def summary(plan: MemoryPlan) -> str:
+  """"<total> per device (train step <x>, sampler <y>; largest: <part> <n>, ...)"."""
+  big = ", ".join(f"{k} {_gib(v)}" for k, v in plan.largest())
+  return (f"{_gib(plan.total)} per device (train step {_gib(plan.train)}, sampler "
+          f"{_gib(plan.rollout)}; largest: {big})")
+
+
+def check_device(good: Mapping[str, Any], mesh: MeshShape | None, limit: int | None,
+                 problems: list[str], notes: list[str], backend: str = "cpu",
+                 num_processes: int = 1) -> MemoryPlan | None:
+  """Compares the plan of `good` with `limit`, one device's bytes (None: unknown, no check).
+
+  Over the limit: one problem line, led by the key that lowers the largest part, naming the
+  plan's largest parts and the keys that lower them. Over `WARN_FRACTION` of it: one line in
+  `notes` (a warning; the run goes on). Returns the plan (None when it cannot be made).
+  """
+  if mesh is None:
+    return None
+  i = inputs_from_config(good, mesh, backend, num_processes)
+  if i is None:
+    return None
+  plan = plan_memory(i)
+  if not limit:
+    return plan
+  keys = advice(plan, good)
+  lower = ", ".join(PREFIX + k for k in keys)
+  if plan.total > limit:
+    problems.append(f"{PREFIX}{keys[0]}: the memory plan needs {summary(plan)}, over the "
+                    f"device's {_gib(limit)}; lower it with {lower}")
+  elif plan.total > WARN_FRACTION * limit:
+    notes.append(f"jaxrl: warning: the memory plan needs {summary(plan)}, "
+                 f"{plan.total / limit:.0%} of the device's {_gib(limit)}; {lower} lower it")
+  return plan
+
+
+def device_limit(reported: int | None, environ: Mapping[str, str] = os.environ) -> int | None:
+  """One device's memory limit: `JAXRL_DEVICE_MEMORY_BYTES` when set (a testing and override
+  knob), else `reported` (the backend's `bytes_limit`; None on CPU, where host memory is checked
+  instead)."""
+  text = environ.get(LIMIT_ENV, "").strip()
+  if text:
+    try:
+      return int(float(text))
+    except ValueError:
+      return reported
+  return reported
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` (or what caused it) is XLA's out-of-memory: a runtime error whose message
+  holds RESOURCE_EXHAUSTED or "out of memory"."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    text = str(error)
+    if isinstance(error, RuntimeError) and ("RESOURCE_EXHAUSTED" in text or
+                                            "out of memory" in text.lower()):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def out_of_memory_message(error: BaseException, plan: MemoryPlan | None, device: str,
+                          good: Mapping[str, Any] | None = None) -> str:
+  """The one `jaxrl: out of memory on <device>: ...` line: XLA's first line, the plan's numbers
+  and the keys that lower them."""
+  first = next((line.strip() for line in str(error).splitlines() if line.strip()),
+               type(error).__name__)[:200]
+  if plan is None:
+    return (f"jaxrl: out of memory on {device}: {first}; lower {PREFIX}train.num_microbatches, "
+            f"{PREFIX}model.remat, {PREFIX}rollout.num_prompts or {PREFIX}rollout.lag")
+  lower = ", ".join(PREFIX + k for k in advice(plan, good))
+  return (f"jaxrl: out of memory on {device}: {first}; the memory plan needs {summary(plan)}; "
+          f"lower it with {lower}")
