@@ -51,8 +51,8 @@ from jaxrl.kernels.fused_logprob.pallas_common import (col, default_interpret, p
 
 # Tiles for an H100 (the same hold on an H200): a [128, 128] f32 logits tile is 64 registers
 # per thread at 8 warps, and one pipeline stage of [128, bd] + [bd, 128] operands is 32 KiB
-# (bd = 64 in bf16, 32 in f32), so 3 stages take 96 KiB of shared memory and two programs fit
-# on an SM (228 KiB of shared memory, 64K registers).
+# (bd = 64 in bf16, 32 in f32), so 3 stages take 96 KiB of shared memory and two programs can
+# share an SM (228 KiB of shared memory, 64K registers).
 GPU_BLOCK_N = 128
 GPU_BLOCK_V = 128
 GPU_MAX_BLOCK_V = 256  # a larger `chunk_size` (e.g. one meant for `xla`) is capped here
@@ -136,6 +136,7 @@ def plan_grids(n: int, d: int, v: int, tiles: Tiles) -> Grids:
 
 
 def _loop_range(per: int, blocks: int):
+  """`[lo, hi)`: the loop blocks of this program's slice (grid axis 1); the last is shorter."""
   lo = pl.program_id(1) * per
   return lo, jnp.minimum(lo + per, blocks)
 
