@@ -189,6 +189,29 @@ def _check_model(good: dict[str, Any], problems: list[str]) -> None:
         f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
 
 
+def _check_packing(good: dict[str, Any], problems: list[str]) -> None:
+  """Token-budget packing: a packed row holds at least one whole row; micro-batches are counted
+  by tokens, so a fixed count contradicts it."""
+  if not _have(good, "train.packing", "train.num_microbatches", "train.microbatch_tokens",
+               "rollout.max_prompt_len", "rollout.max_new_tokens", "rollout.max_total_tokens"):
+    return
+  if not good["train.packing"]:
+    return
+  budget = "rollout.max_total_tokens" if good["rollout.max_total_tokens"] else \
+      "rollout.max_new_tokens"
+  row = good["rollout.max_prompt_len"] + good[budget]
+  if good["train.microbatch_tokens"] < row:
+    problems.append(
+        f"{PREFIX}train.microbatch_tokens: with {PREFIX}train.packing a packed row must hold "
+        f"one whole row, {PREFIX}rollout.max_prompt_len + {PREFIX}{budget} = {row} positions; "
+        f"got {good['train.microbatch_tokens']}")
+  if good["train.num_microbatches"]:
+    problems.append(
+        f"{PREFIX}train.num_microbatches: with {PREFIX}train.packing micro-batches are counted "
+        f"by tokens ({PREFIX}train.microbatch_tokens per batch shard); set it to 0, got "
+        f"{good['train.num_microbatches']}")
+
+
 def _check_batch(good: dict[str, Any], mesh: MeshShape | None, problems: list[str]) -> None:
   """Batch sizes against the mesh: every batch (and RL micro-batch) is split over the batch
   shards, `mesh.data * mesh.fsdp` (1 when the mesh itself is bad)."""
@@ -215,6 +238,7 @@ def _check_batch(good: dict[str, Any], mesh: MeshShape | None, problems: list[st
           f"{PREFIX}train.num_microbatches: each micro-batch ({rl_batch} / "
           f"{PREFIX}train.num_microbatches = {p * g} / {m} = {p * g // m}) must be divisible "
           f"by {batch_shards} = {shards}, since the batch axis is sharded over both")
+  _check_packing(good, problems)
   for key in ("sft.batch_size", "val.batch_size"):
     if mesh and _have(good, key) and good[key] % (mesh.data * mesh.fsdp):
       problems.append(

@@ -46,10 +46,12 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
       distill_coef=cfg.distill.coef if cfg.distill.teacher else 0.0,
       distill_reward_weight=cfg.distill.reward_weight)
   a = cfg.advantage
+  packing = bool(cfg.train.get("packing", False))  # absent from configs saved before it
   return StepConfig(loss="rl", objective=objective, advantage=a.estimator, adv_eps=a.eps,
                     adv_ddof=a.std_ddof, adv_clip=a.clip or None,
-                    num_microbatches=config_lib.run_microbatches(cfg, shards),
+                    num_microbatches=1 if packing else config_lib.run_microbatches(cfg, shards),
                     shared_prompts=config_lib.shared_prompts(cfg),
+                    pack_tokens=cfg.train.microbatch_tokens if packing else 0,
                     logprob_impl=logprob_impl(cfg))
 
 

@@ -44,8 +44,10 @@ from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import KVCache
-from jaxrl.core.names import LR_SCHEDULES
 from jaxrl.core.types import TrainBatch, TrainState
+from jaxrl.learner import packing
+# The optimizer is built here too (callers import it with the step).
+from jaxrl.learner.optimizer import learning_rate_schedule, make_optimizer  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,10 @@ class StepConfig:
   # None = when the step runs on CPU with its rows on one shard (measured faster there, issue
   # 22); the two-pass form keeps rows split over the batch axes of a mesh.
   pack_prompts: bool | None = None
+  # > 0: token-budget packing (`jaxrl.learner.packing`). Rows are laid end to end in packed rows
+  # of this many positions, one per row shard in each micro-batch; micro-batches run until every
+  # row has (their count follows the batch's tokens, `num_microbatches` is not used). 0: off.
+  pack_tokens: int = 0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -79,53 +85,6 @@ class StepConfig:
     return self.loss == "rl" and self.objective.ref_kl_coef != 0
 
 
-
-
-def learning_rate_schedule(learning_rate: float, *, warmup_steps: int = 0,
-                           schedule: str = "constant", total_steps: int = 0,
-                           final_frac: float = 0.0) -> optax.Schedule | float:
-  """Linear warm-up from 0 over `warmup_steps`, then `schedule` until `total_steps` updates.
-
-  "constant" holds `learning_rate`; "cosine" and "linear" decay it to
-  `final_frac * learning_rate` at update `total_steps` (and hold it there); with
-  `total_steps <= warmup_steps` there is nothing left to decay over and the rate stays constant.
-  The position is the optimizer's own update count (in its state), so a resumed run continues
-  the schedule exactly; skipped (non-finite) updates do not advance it. A decay to a small
-  rate at the end of RL makes the final policy the average of the last updates' direction rather
-  than one noisy step's: the held-out accuracy the run ends on stops jumping between evals.
-  """
-  if schedule not in LR_SCHEDULES:
-    raise ValueError(f"unknown learning-rate schedule {schedule!r}; one of {LR_SCHEDULES}")
-  if schedule == "constant" or total_steps <= warmup_steps:
-    if warmup_steps > 0:
-      return optax.linear_schedule(0.0, learning_rate, warmup_steps)
-    return learning_rate
-  end = final_frac * learning_rate
-  decay_steps = total_steps - warmup_steps
-  if schedule == "cosine":
-    decay = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=final_frac)
-  else:
-    decay = optax.linear_schedule(learning_rate, end, decay_steps)
-  if warmup_steps == 0:
-    return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay],
-                              [warmup_steps])
-
-
-def make_optimizer(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999,
-                   weight_decay: float = 0.0, grad_clip: float = 1.0, warmup_steps: int = 0,
-                   schedule: str = "constant", total_steps: int = 0, final_frac: float = 0.0,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
-  """Global-norm clipping then AdamW, with an optional linear learning-rate warm-up and decay
-  (`learning_rate_schedule`).
-
-  A fresh Adam's first updates are sign-like (m / sqrt(v) = +-1) at the full rate; ramping the
-  rate over the first steps keeps them from undoing a warm-started policy.
-  """
-  lr = learning_rate_schedule(learning_rate, warmup_steps=warmup_steps, schedule=schedule,
-                              total_steps=total_steps, final_frac=final_frac)
-  return optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
 def completion_hidden(model, batch: TrainBatch, group: int = 0,
@@ -179,12 +138,17 @@ def prompt_layout_ok(batch: TrainBatch, group: int) -> jax.Array:
 
 
 def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
-                        with_entropy: bool = True, lora_dropout_key: jax.Array | None = None
-                        ) -> tuple[jax.Array, jax.Array | None]:
+                        with_entropy: bool = True, lora_dropout_key: jax.Array | None = None,
+                        packed: tuple | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits).
   `params`: the model's `nnx.State`, or a tuple of states that together make it (LoRA: the
-  frozen base and the adapters)."""
+  frozen base and the adapters). `packed`: `(PackedBatch, micro-batch, shards)`: run that
+  micro-batch's packed rows instead (`packing.packed_logprobs`)."""
   model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
+  if packed is not None:
+    return packing.packed_logprobs(model, *packed, batch, with_entropy=with_entropy,
+                                   impl=cfg.logprob_impl, chunk=cfg.logprob_chunk,
+                                   lora_dropout_key=lora_dropout_key)
   hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key,
                              packed=bool(cfg.pack_prompts))
   b, n, d = hidden.shape
@@ -197,28 +161,31 @@ def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: 
 
 
 def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, ref_params,
-                      cfg: StepConfig, teacher=None, frozen=None, key=None):
+                      cfg: StepConfig, teacher=None, frozen=None, key=None, packed=None):
   o = cfg.objective
   if frozen is not None:  # LoRA: the model is the frozen base with these adapters
     params = (frozen, params)
     ref_params = None if ref_params is None else (frozen, ref_params)
   if cfg.loss == "sft":
     logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False,
-                                  lora_dropout_key=key)
+                                  lora_dropout_key=key, packed=packed)
     loss_sum, n = losses.nll(logp, batch.mask)
     loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
     return loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {}, {})
-  logp, entropy = completion_logprobs(graphdef, params, batch, cfg, lora_dropout_key=key)
+  logp, entropy = completion_logprobs(graphdef, params, batch, cfg, lora_dropout_key=key,
+                                      packed=packed)
   if o.entropy_coef == 0:
     entropy = jax.lax.stop_gradient(entropy)
   lp_ref = None
   if ref_params is not None:
-    lp_ref, _ = completion_logprobs(graphdef, ref_params, batch, cfg, with_entropy=False)
+    lp_ref, _ = completion_logprobs(graphdef, ref_params, batch, cfg, with_entropy=False,
+                                    packed=packed)
     lp_ref = jax.lax.stop_gradient(lp_ref)
   lp_teacher = None
   if teacher is not None and o.distill_coef != 0:
     t_graphdef, t_params = teacher
-    lp_teacher, _ = completion_logprobs(t_graphdef, t_params, batch, cfg, with_entropy=False)
+    lp_teacher, _ = completion_logprobs(t_graphdef, t_params, batch, cfg, with_entropy=False,
+                                        packed=packed)
     lp_teacher = jax.lax.stop_gradient(lp_teacher)
   # One update per batch: the "old" policy is the current one, so r = 1 with its gradient.
   return losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask, counts,
@@ -257,6 +224,31 @@ def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
   return losses.global_counts(cfg.objective, batch.mask)
 
 
+def _packed_micro_batches(batch: TrainBatch, advantages, cfg: StepConfig, shards: int,
+                          micro_grads, add, start):
+  """Gradients and stats summed over token-budget micro-batches (`cfg.pack_tokens`): `shards`
+  packed rows each, as many as the batch's tokens fill (a `while` loop over the count the
+  packing reports, so a short batch runs fewer). Micro-batch k sees every row, its mask cut to
+  the rows packed into it: the objective's sums then take exactly those rows, over the global
+  counts."""
+  b, lp = batch.prompt_tokens.shape
+  n = batch.tokens.shape[1]
+  seen = batch.mask if batch.completion_valid is None else batch.completion_valid | batch.mask
+  streams = packing.capacity(b, lp, n, cfg.pack_tokens, shards)
+  group = cfg.shared_prompts if b % max(cfg.shared_prompts, 1) == 0 else 0
+  packed = packing.pack(batch.prompt_tokens, batch.prompt_valid, batch.tokens, seen,
+                        batch.temperature, group=group, budget=cfg.pack_tokens, streams=streams)
+
+  def micro(k):
+    in_mb = (packed.stream // shards == k)[:, None]
+    return micro_grads(batch._replace(mask=batch.mask & in_mb), advantages, k,
+                       (packed, k, shards))
+
+  _, stats0 = jax.eval_shape(micro, jnp.int32(0))
+  count = (packed.used + shards - 1) // shards
+  return jax.lax.fori_loop(0, count, lambda k, acc: add(acc, *micro(k)), start(stats0))
+
+
 def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
                row_sharding: NamedSharding | None = None, teacher=None
                ) -> tuple[TrainState, dict]:
@@ -289,7 +281,6 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
       cfg.advantage, batch.rewards, batch.group_id, valid, eps=cfg.adv_eps, ddof=cfg.adv_ddof,
       clip_low=None if clip is None else -clip, clip_high=clip)
   counts = global_counts(batch, cfg)
-  micro = jax.tree.map(lambda x: _split(x, m, max(group, 1)), (batch, advantages))
   ref_params = state.ref_params if cfg.needs_reference() else None
   grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
   frozen = state.frozen
@@ -297,26 +288,35 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
   # drops exactly what the uninterrupted one did.
   step_key = None if frozen is None else jax.random.fold_in(jax.random.key(0), state.step)
 
-  def body(acc, mb):
-    (mb_batch, mb_adv), k = mb
+  def micro_grads(mb_batch, mb_adv, k, packed=None):
     if row_sharding is not None:
       mb_batch, mb_adv = jax.lax.with_sharding_constraint((mb_batch, mb_adv), row_sharding)
     key = None if step_key is None else jax.random.fold_in(step_key, k)
     (_, stats), grads = grad_fn(state.params, graphdef, mb_batch, mb_adv, counts, ref_params, cfg,
-                                teacher, frozen, key)
-    g_acc, s_acc = acc
-    return (jax.tree.map(jnp.add, g_acc, grads), losses.stats.merge(s_acc, stats)), None
+                                teacher, frozen, key, packed)
+    return grads, stats
 
-  _, stats0 = jax.eval_shape(
-      lambda: _loss_and_metrics(state.params, graphdef, jax.tree.map(lambda x: x[0], micro[0]),
-                                micro[1][0], counts, ref_params, cfg, teacher, frozen,
-                                step_key))
-  # Identity elements: maxes start at -inf and mins at +inf, so empty micro-batches are neutral.
-  fill = losses.stats.Stats(
-      *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
-        for part, v in zip(stats0, (0.0, 0.0, -jnp.inf, jnp.inf))))
-  init = (jax.tree.map(jnp.zeros_like, state.params), fill)
-  (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(m)))
+  def add(acc, grads, stats):
+    return jax.tree.map(jnp.add, acc[0], grads), losses.stats.merge(acc[1], stats)
+
+  def start(stats0):
+    # Identity elements: maxes start at -inf and mins at +inf, so empty micro-batches are neutral.
+    fill = losses.stats.Stats(
+        *(jax.tree.map(lambda s, v=v: jnp.full(s.shape, v, s.dtype), part)
+          for part, v in zip(stats0, (0.0, 0.0, -jnp.inf, jnp.inf))))
+    return jax.tree.map(jnp.zeros_like, state.params), fill
+
+  if cfg.pack_tokens:
+    grads, stats = _packed_micro_batches(batch, advantages, cfg, row_shards(row_sharding),
+                                         micro_grads, add, start)
+  else:
+    micro = jax.tree.map(lambda x: _split(x, m, max(group, 1)), (batch, advantages))
+    _, stats0 = jax.eval_shape(micro_grads, *jax.tree.map(lambda x: x[0], micro), 0)
+
+    def body(acc, mb):
+      (mb_batch, mb_adv), k = mb
+      return add(acc, *micro_grads(mb_batch, mb_adv, k)), None
+    (grads, stats), _ = jax.lax.scan(body, start(stats0), (micro, jnp.arange(m)))
 
   # Each micro-batch already divided by the global counts: the sum is the batch gradient.
   grad_norm = optax.tree.norm(grads)

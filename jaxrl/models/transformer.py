@@ -300,6 +300,19 @@ class Transformer(nnx.Module):
                      lora_dropout_key=lora_dropout_key, attend=attend)
     return hidden[:, :lp], hidden[:, lp:].reshape(b, t, -1)
 
+  def packed_forward(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array,
+                     shared: jax.Array, lora_dropout_key: jax.Array | None = None) -> jax.Array:
+    """Final hidden states [B, T, D] of packed rows: several sequences per row, each token with
+    its segment (-1: padding), its position in its sequence and whether it is a shared prompt
+    key (`jaxrl.kernels.attention`'s mask; `jaxrl.learner.packing` lays rows out so). The
+    attention is `cfg.attention`'s for rows of T positions, "dense" as the kernels' masked
+    `reference`."""
+    impl = resolve_attention(self.cfg.attention, length=tokens.shape[1])
+    attend = _kernel_attend(segment, positions, shared, _KERNEL_OF.get(impl, impl))
+    hidden, _ = self(tokens, positions, segment >= 0, lora_dropout_key=lora_dropout_key,
+                     attend=attend)
+    return hidden
+
   def _grouped_dense_attend(self, prompt_valid: jax.Array, valid: jax.Array) -> Callable:
     """`grouped_forward`'s dense attention (`layers.attention`) of a packed row: the prompt
     over itself, each continuation over its prompt's keys and its own."""
@@ -377,12 +390,17 @@ def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Ar
   return key_valid, mask
 
 
-def _kernel_attend(seg: jax.Array, pos: jax.Array, shared: jax.Array | None) -> Callable:
-  """`attend(q, k, v)` over `jaxrl.kernels.attention`'s "xla" implementation (blockwise,
-  memory linear in the sequence), with each token's segment and position [B, T] (keys are the
-  queries' own tokens) and the shared flags of a group's prompt (or None)."""
+# `model.attention` names whose `jaxrl.kernels.attention` implementation is named otherwise.
+_KERNEL_OF = {"dense": "reference"}
+
+
+def _kernel_attend(seg: jax.Array, pos: jax.Array, shared: jax.Array | None,
+                   implementation: str = "xla") -> Callable:
+  """`attend(q, k, v)` over a `jaxrl.kernels.attention` implementation (default "xla":
+  blockwise, memory linear in the sequence), with each token's segment and position [B, T]
+  (keys are the queries' own tokens) and the shared flags of a group's prompt (or None)."""
   return lambda q, k, v: kernel_attention(q, k, v, seg, pos, seg, pos, shared,
-                                          implementation="xla")
+                                          implementation=implementation)
 
 
 def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:

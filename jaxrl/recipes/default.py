@@ -226,6 +226,12 @@ def get_config() -> ConfigDict:
   # prompts and 4-token completions). Auto micro-batching then counts a group as
   # max_prompt_len + G x completion tokens.
   c.train.share_prompts = True
+  # Token-budget packing: the train step lays rows (prompt + completion, each group's prompt once)
+  # end to end in packed rows of microbatch_tokens positions, one per batch shard per
+  # micro-batch, with no padding to the longest row; micro-batches run until the batch's tokens
+  # are used (num_microbatches must stay 0). The loss is the unpacked step's (same global counts).
+  # microbatch_tokens must hold one row: max_prompt_len + completion budget.
+  c.train.packing = False
   # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
   c.train.max_skipped_updates = 0
   # Stop (with a checkpoint) after this many updates in a row were skipped for non-finite

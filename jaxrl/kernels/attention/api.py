@@ -6,7 +6,8 @@ time). Query i attends key j iff
 
     q_segment[i] >= 0 and kv_segment[j] >= 0          (-1: padding, left or right)
     and kv_position[j] <= q_position[i]                 (causal, by position, not by index)
-    and (kv_segment[j] == q_segment[i] or kv_shared[j])
+    and (kv_segment[j] == q_segment[i]
+         or kv_shared[j] and kv_segment[j] >> 16 == q_segment[i] >> 16)
 
 Packed rows: several sequences in one row, each its own segment id, positions counted from 0 in
 each. Left padding: segment -1 (its positions are never compared with a real token's).
@@ -18,7 +19,10 @@ g's tokens segment g + 1, padding tokens segment -1, and positions as that metho
 prompt's `left_positions`, the continuations' `continuation_positions`, which start after the
 prompt's last position). Then the prompt attends itself causally, and each continuation attends
 every real prompt key (their positions are all earlier) and itself causally, never another
-continuation. `kv_shared` makes a key visible across segments, so a row holds at most one group;
+continuation. `kv_shared` makes a key visible across the segments of its unit (the segment's high bits,
+`segment >> 16`, `reference.UNIT_SHIFT`): with unit 0 for every segment below 65,536, a row holds
+one group; give group u's segments `u << 16 | member` and a row holds many (the train step's
+token-budget packing, `jaxrl.learner.packing`);
 a padding query attends nothing (`grouped_forward` lets a continuation's padding see the prompt;
 no real token reads either output).
 

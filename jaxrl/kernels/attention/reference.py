@@ -18,6 +18,11 @@ import jax.numpy as jnp
 # masked row's softmax is uniform instead of NaN.
 MASK_VALUE = -1e30
 
+# Segment ids carry a unit in their high bits (`segment >> UNIT_SHIFT`): a shared key (a group's
+# prompt) is visible only to the queries of its own unit, so one packed row holds many groups.
+# Segments below `1 << UNIT_SHIFT` are all unit 0 (one group per row, as before).
+UNIT_SHIFT = 16
+
 
 def token_mask(q_segment: jax.Array, q_position: jax.Array, kv_segment: jax.Array,
                kv_position: jax.Array, kv_shared: jax.Array | None = None) -> jax.Array:
@@ -28,18 +33,22 @@ def token_mask(q_segment: jax.Array, q_position: jax.Array, kv_segment: jax.Arra
     q_position: `[B, T]` int, the query's position in its sequence.
     kv_segment: `[B, S]` int, the key's segment; `< 0` marks a padding key (never attended).
     kv_position: `[B, S]` int.
-    kv_shared: `[B, S]` bool or None (all False): True marks a key of the row's shared prompt.
+    kv_shared: `[B, S]` bool or None (all False): True marks a key of a shared prompt, seen by
+      every query of the same unit (`segment >> UNIT_SHIFT`).
 
   Returns:
     `[B, T, S]` bool: query i attends key j iff both are real (segments `>= 0`),
     `kv_position[j] <= q_position[i]`, and either `kv_segment[j] == q_segment[i]` or
-    `kv_shared[j]`.
+    `kv_shared[j]` with both in one unit (`kv_segment[j] >> UNIT_SHIFT == q_segment[i] >>
+    UNIT_SHIFT`).
   """
   qs, qp = q_segment[:, :, None], q_position[:, :, None]
   ks, kp = kv_segment[:, None, :], kv_position[:, None, :]
   same = ks == qs
   if kv_shared is not None:
-    same = same | kv_shared[:, None, :]
+    # A shared key is seen by the queries of its unit: segments `u << UNIT_SHIFT | member`.
+    unit = lambda x: jnp.right_shift(x, UNIT_SHIFT)
+    same = same | (kv_shared[:, None, :] & (unit(ks) == unit(qs)))
   return (qs >= 0) & (ks >= 0) & (kp <= qp) & same
 
 
