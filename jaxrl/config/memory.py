@@ -165,7 +165,6 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
   copies = 2 if i.lag and i.colocated else 1  # the version sampled and the one just published
   kv = i.kv_rows * i.cache_slots * (
       i.layers * 2 * i.kv_heads * i.head_dim * i.cache_bytes // i.kv_head_shards + 1)
-  prefill = i.kv_rows * i.prompt_len
   parts = {
       "params": params,
       "optimizer": 2 * trained,
@@ -176,11 +175,10 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
       "activations": max(activation_bytes(i), trained),
       "rollout_params": copies * i.params * i.rollout_param_bytes // i.rollout_param_shards,
       "kv_cache": kv,
-      # Prefill (no backward): a few [positions, width] buffers, the dense scores of the prompt
-      # against the cache, the first logits (f32).
-      "sampler_temps": (prefill * (4 * i.d_model + 3 * i.mlp_dim) * i.cache_bytes
-                        + 2 * i.kv_rows * i.heads * i.prompt_len * i.cache_slots * 4
-                        + 2 * i.kv_rows * i.vocab * 4),
+      # Prefill's and decode's temporaries: about one layer's keys and values in flight (x 1.25)
+      # and two [rows, vocab] f32 logits (the larger program, compiled on CPU for 4 shapes:
+      # within 25%, and the sampler's whole peak within 15%).
+      "sampler_temps": kv * 5 // (4 * i.layers) + 2 * i.kv_rows * i.vocab * 4,
   }
   train = sum(parts[k] for k in TRAIN_PARTS)
   rollout = sum(parts[k] for k in ROLLOUT_PARTS)
@@ -360,9 +358,10 @@ def check_device(good: Mapping[str, Any], mesh: MeshShape | None, limit: int | N
 
   Over the limit: one problem line, led by the key that lowers the largest part, naming the
   plan's largest parts and the keys that lower them. Over `WARN_FRACTION` of it: one line in
-  `notes` (a warning; the run goes on). Returns the plan (None when it cannot be made).
+  `notes` (a warning; the run goes on). Returns the plan (None when it cannot be made). A config
+  already refused is not planned: its sizes may be absurd (a batch no memory holds).
   """
-  if mesh is None:
+  if mesh is None or problems:
     return None
   i = inputs_from_config(good, mesh, backend, num_processes)
   if i is None:
