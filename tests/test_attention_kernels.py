@@ -360,6 +360,19 @@ def test_pallas_tpu_lowers_for_tpu():
     assert name in grad, name
 
 
+def test_pallas_tpu_compiled_blocks_are_multiples_of_128():
+  # Lowering a short row (T = S = 32: one block, padded to 128) in float32 works; an 8-wide
+  # block, fine for the interpreter, is refused before Mosaic sees it.
+  qkv, mask, _ = make_inputs("packed")
+  qkv = [x[:, :32] for x in qkv]
+  mask = [x[:, :32] for x in mask[:4]] + [None]
+  f = lambda block: jax.export.export(jax.jit(functools.partial(
+      pallas_tpu.attention, scale=0.25, block_k=block, interpret=False)), platforms=["tpu"])
+  assert "@tpu_custom_call" in f(None)(*qkv, *mask).mlir_module()
+  with pytest.raises(ValueError, match="multiples of 128 when compiled"):
+    f(8)(*qkv, *mask)
+
+
 def test_pallas_tpu_under_shard_map_over_rows(devices):
   qkv, mask, w = make_inputs("group")
   mesh = Mesh(np.array(devices[:2]), ("data",))
@@ -381,3 +394,4 @@ def test_cudnn_off_a_gpu_raises():
   (q, k, v), mask, _ = make_inputs("packed", jnp.bfloat16)
   with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU; the backend is"):
     attention(q, k, v, *mask, implementation="cudnn")
+

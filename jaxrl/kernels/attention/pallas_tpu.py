@@ -18,6 +18,13 @@ position, shared flag), never as a `[T, S]` array in HBM. The per-query integers
 `[B, T, 1]` columns and the per-key ones as `[B, 1, S]` rows, so they broadcast against each
 other into the block's mask.
 
+Blocks no query of the block attends (a later key block of a causal row, another segment's
+keys) skip both matmuls: each kernel reduces the block's mask to one flag and branches on it.
+Such a block still feeds the rows that attend nothing (padding queries, a query with no earlier
+key), which `reference` gives the mean of all S values: the forward adds the block's value sum
+to them, the `dk, dv` kernel their `do / l` to every value of the block. Their inputs are still
+copied into VMEM (the grid's pipeline does not look at the flag).
+
 Padding: T is padded to a multiple of `bq` with padding queries (segment -1, zero cotangent,
 sliced off) and S to a multiple of `bk` with zero keys whose column index is past S: they
 score `-inf` (weight 0, even in a fully masked row), so a fully masked row still averages the
@@ -40,8 +47,8 @@ from jaxrl.kernels.attention.reference import MASK_VALUE
 from jaxrl.kernels.fused_logprob import common
 from jaxrl.kernels.fused_logprob.pallas_common import default_interpret
 
-# TPU tiles: a block that does not cover the whole (padded) sequence must be a multiple of 128
-# (the lane width; the key block is the lane axis of the per-key rows and of the scores). At
+# TPU tiles: blocks are multiples of 128 when compiled (the key block is the lane axis of the
+# scores and of the per-key rows; 128 rows also fill a bf16 (16, 128) tile). At
 # Dh = 128 in bf16 a forward program holds q (64 KiB), k and v (128 KiB each) and a float32
 # score tile (512 KiB): well inside VMEM with double buffering.
 DEFAULT_BLOCK_Q = 256
@@ -54,10 +61,19 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def plan(length: int, block: int) -> tuple[int, int]:
-  """`(block, padded length)` for one sequence axis: one block of the length rounded up to 8
-  (sublanes) when it fits, else `block` wide. Static: they define the grid."""
-  one = _round_up(max(length, 1), 8)
+# Interpreted (tests), blocks may have any width and a single block needs only whole sublanes, so
+# small cases stay small.
+_COMPILED_ALIGN, _INTERPRETED_ALIGN = 128, 8
+
+
+def plan(length: int, block: int, compiled: bool = True) -> tuple[int, int]:
+  """`(block, padded length)` for one sequence axis: one block of the length rounded up to
+  128 (8 interpreted) when that fits in `block`, else `block` wide. Static: they define the
+  grid."""
+  if compiled and block % _COMPILED_ALIGN:
+    raise ValueError(f"pallas_tpu attention blocks must be multiples of {_COMPILED_ALIGN} when "
+                     f"compiled for TPU; got {block} (interpret=True takes any width)")
+  one = _round_up(max(length, 1), _COMPILED_ALIGN if compiled else _INTERPRETED_ALIGN)
   if one <= block:
     return one, one
   return block, _round_up(length, block)
@@ -252,18 +268,19 @@ def _specs(bq, bk, d, g, for_keys: bool):
   return dict(ids=[col, col, row, row, row], q=qs, k=ks, stat=stat)
 
 
-def _layout(q, k, v, bq, bk):
+def _layout(q, k, v, bq, bk, interpret):
   """q `[B, H, Tp, Dh]`, k and v `[B, Hkv, Sp, Dh]` in one compute dtype, zero padded."""
   dt = jnp.result_type(q, k, v)
-  (t, s), (bq_, tp), (bk_, sp) = (q.shape[1], k.shape[1]), plan(q.shape[1], bq), \
-      plan(k.shape[1], bk)
+  compiled = not interpret
+  (t, s), (bq_, tp), (bk_, sp) = (q.shape[1], k.shape[1]), plan(q.shape[1], bq, compiled), \
+      plan(k.shape[1], bk, compiled)
   heads = lambda x, size: _pad_axis(x.astype(dt).transpose(0, 2, 1, 3), 2, size, 0)
   return heads(q, tp), heads(k, sp), heads(v, sp), (t, s, bq_, bk_, tp, sp)
 
 
 def _forward(q, k, v, ids, scale, bq, bk, interpret):
   """`(out [B, T, H, Dh] in q's dtype, m, l [B, H, Tp, 1] float32)`."""
-  qh, kh, vh, (t, s, bq, bk, tp, sp) = _layout(q, k, v, bq, bk)
+  qh, kh, vh, (t, s, bq, bk, tp, sp) = _layout(q, k, v, bq, bk, interpret)
   b, h, _, d = qh.shape
   g = h // kh.shape[1]
   ids = _token_ids(*ids, tp, sp)
@@ -302,7 +319,7 @@ def _scratch(shapes):
 
 def _backward(q, k, v, ids, out, m, l, do, scale, bq, bk, interpret):
   """Cotangents of q, k, v in their dtypes."""
-  qh, kh, vh, (t, s, bq, bk, tp, sp) = _layout(q, k, v, bq, bk)
+  qh, kh, vh, (t, s, bq, bk, tp, sp) = _layout(q, k, v, bq, bk, interpret)
   b, h, _, d = qh.shape
   hkv = kh.shape[1]
   g = h // hkv
@@ -375,8 +392,9 @@ def attention(q, k, v, q_segment, q_position, kv_segment, kv_position, kv_shared
   `reference.attention` (same arguments) up to float rounding.
 
   `block_q`, `block_k`: query and key block widths (None: `DEFAULT_BLOCK_Q`,
-  `DEFAULT_BLOCK_K`; given `block_k` alone sets both, as `api.attention` passes one width). On
-  TPU a block narrower than its padded sequence must be a multiple of 128.
+  `DEFAULT_BLOCK_K`; given `block_k` alone sets both, as `api.attention` passes one width);
+  multiples of 128 when compiled (`ValueError` otherwise; any width interpreted). A sequence
+  shorter than its block is one block, padded to the next multiple of 128 (8 interpreted).
   `interpret`: True (or a `pltpu.InterpretParams`) runs the kernels in Pallas' interpreter;
   None interprets everywhere but on TPU (`pallas_common.default_interpret`); False compiles for
   TPU (also what lowering for a TPU from another machine needs).
