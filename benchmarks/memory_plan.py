@@ -33,6 +33,12 @@ counts in full on every device). Totals:
   PYTHONPATH=. python benchmarks/memory_plan.py --recipe configs/qwen2_5_0_5b_gsm8k.py
       --models 0.5b --devices 8 --rollout-mesh 8,1,1
 
+Every model's line also holds `library_plan`: the run's own plan (`jaxrl.config.memory`, what
+validation checks against the device before compiling, and what the run prints at its start) for
+the same shapes, colocated, with the train batch as the rollout's P x G rows; compiled, its
+train-step temporaries (gradients + activations) and sampler peak next to `memory_analysis()`'s
+(`ratio` = planned / compiled). The summary row's `plan_total_gib` is its total.
+
 `--remat none|full|dots` sets `ModelConfig.remat` (per-layer rematerialisation in the train step;
 the sampler never uses it); the default is the default run config's `model.remat` ("none").
 
@@ -97,6 +103,9 @@ from jaxrl.rollout.static_sampler import make_sampler  # noqa: E402
 from jaxrl.learner.step import build_train_step, make_optimizer  # noqa: E402
 from jaxrl.learner.rl import rl_step_config  # noqa: E402
 from jaxrl.core.types import TrainBatch  # noqa: E402
+from jaxrl.config import memory  # noqa: E402
+from jaxrl.config.mesh import MeshShape  # noqa: E402
+from jaxrl.config.schema import flatten  # noqa: E402
 
 GIB = 1 << 30
 
@@ -437,8 +446,43 @@ def plan(model_cfg: ModelConfig, mesh, sizes: Sizes, *, compile_train: bool = Fa
       "per_device_gib": {k: round(v / GIB, 3) for k, v in {**b, **{
           f"total_{k}": v for k, v in totals.items()}}.items()},
   }
+  out["library_plan"] = library_plan(model_cfg, mesh, sizes, cfg, step_info, rollout_ma)
   if (compile_train or compile_rollout) and jax.default_backend() == "cpu":
     out["backend_note"] = CPU_NOTE
+  return out
+
+
+def library_plan(model_cfg: ModelConfig, mesh, sizes: Sizes, cfg, step_info: dict,
+                 rollout_ma: dict) -> dict:
+  """The run's own memory plan (`jaxrl.config.memory`, what validation checks against the
+  device) for these shapes on `mesh`, colocated, with the train batch as the rollout's P x G rows
+  of prompt + completion; next to the compiled programs' temporaries when they were compiled."""
+  flat = flatten(cfg or get_config())
+  flat.update({f"model.{f.name}": getattr(model_cfg, f.name) for f in
+               dataclasses.fields(model_cfg) if f"model.{f.name}" in flat})
+  flat.update({"model.hf_path": "", "model.lora.rank": model_cfg.lora_rank,
+               "model.lora.targets": ",".join(model_cfg.lora_targets),
+               "rollout.num_prompts": sizes.prompts, "rollout.group_size": sizes.group,
+               "rollout.max_prompt_len": sizes.prompt_len,
+               "rollout.max_new_tokens": sizes.new_tokens, "rollout.max_total_tokens": 0,
+               "rollout.engine": "static", "train.num_microbatches": sizes.microbatches})
+  shape = MeshShape(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
+  inputs = memory.inputs_from_config(flat, shape, jax.default_backend())
+  if inputs is None:
+    return {"note": "the config's keys did not make a plan"}
+  p = memory.plan_memory(inputs)
+  out = {"per_device_bytes": p.parts, "train": p.train, "rollout": p.rollout, "total": p.total,
+         "text": p.render()}
+  ma = step_info.get("memory_analysis") or {}
+  if "temp_size_in_bytes" in ma:
+    planned = p.parts["gradients"] + p.parts["activations"]
+    out["train_temp"] = {"planned": planned, "compiled": ma["temp_size_in_bytes"],
+                         "ratio": round(planned / max(ma["temp_size_in_bytes"], 1), 3)}
+  peaks = [(x.get("memory_analysis") or {}).get("peak_estimate_bytes")
+           for x in rollout_ma.values()]
+  if peaks and None not in peaks:
+    out["sampler_peak"] = {"planned": p.rollout, "compiled": max(peaks),
+                           "ratio": round(p.rollout / max(max(peaks), 1), 3)}
   return out
 
 
@@ -482,7 +526,9 @@ def summary_row(name: str, r: dict) -> dict:
           if "temp_size_in_bytes" in ma else None,
           "train_gib": gib["total_train"], "rollout_gib": gib["total_rollout"],
           "total_lag0_gib": gib["total_lag0"], "total_lag1_gib": gib["total_lag1"],
-          "compiled": r["train_step"]["compiled"]}
+          "compiled": r["train_step"]["compiled"],
+          "plan_total_gib": round(r["library_plan"].get("total", 0) / GIB, 3),
+          "plan_train_temp_ratio": (r["library_plan"].get("train_temp") or {}).get("ratio")}
 
 
 def recipe_defaults(cfg, devices: int) -> dict:

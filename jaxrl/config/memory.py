@@ -113,12 +113,13 @@ class MemoryPlan:
   def render(self) -> str:
     """One paragraph: the parts of each program, how they overlap and the total."""
     i, p = self.inputs, self.parts
-    g = lambda n: f"{n / GIB:,.2f}"
+    unit, scale = ("GiB", GIB) if self.total >= GIB else ("MiB", 1 << 20)
+    g = lambda n: f"{n / scale:,.2f}"
     train = ", ".join(f"{k} {g(p[k])}" for k in TRAIN_PARTS if p.get(k))
     rollout = ", ".join(f"{k} {g(p[k])}" for k in ROLLOUT_PARTS if p.get(k))
     how = ("on other devices (disaggregated): the larger" if not i.colocated else
            f"rollout.lag {i.lag}: both at once" if i.lag else "rollout.lag 0: one at a time")
-    return (f"memory plan per device (GiB): train step {g(self.train)} ({train}; remat "
+    return (f"memory plan per device ({unit}): train step {g(self.train)} ({train}; remat "
             f"{i.remat}, {i.attention} attention, {i.microbatches} micro-batch(es) of "
             f"{i.positions:,} positions) | sampler {g(self.rollout)} ({rollout}; KV cache "
             f"{i.kv_rows:,} rows x {i.cache_slots:,} slots) | {how}: {g(self.total)}")
