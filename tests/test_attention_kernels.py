@@ -395,3 +395,38 @@ def test_cudnn_off_a_gpu_raises():
   with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU; the backend is"):
     attention(q, k, v, *mask, implementation="cudnn")
 
+
+def _two_groups_in_a_row():
+  """`(seg, pos, shared)` `[2, 21]`: row 0 packs group A (a 3-token prompt, continuations of 3
+  and 2) and group B (a 4-token prompt, continuations of 2 and 4) as units 0 and 1
+  (`u << UNIT_SHIFT | member`), then right padding; row 1 holds group B alone."""
+  def group(unit, prompt, conts):
+    base = unit << reference.UNIT_SHIFT
+    seg = [base] * prompt + sum(([base | (g + 1)] * n for g, n in enumerate(conts)), [])
+    pos = list(range(prompt)) + sum((list(range(prompt, prompt + n)) for n in conts), [])
+    return seg, pos, [True] * prompt + [False] * sum(conts)
+
+  rows = []
+  for groups in ((group(0, 3, (3, 2)), group(1, 4, (2, 4))), (group(1, 4, (2, 4)),)):
+    seg, pos, shared = (sum(parts, []) for parts in zip(*groups))
+    pad = 21 - len(seg)
+    rows.append((seg + [-1] * pad, pos + [0] * pad, shared + [False] * pad))
+  seg, pos, shared = (np.array(x) for x in zip(*rows))
+  return seg.astype(np.int32), pos.astype(np.int32), shared
+
+
+@pytest.mark.parametrize("implementation", ("xla", "pallas_tpu", "cudnn"))
+def test_several_groups_in_one_row(implementation):
+  seg, pos, shared = _two_groups_in_a_row()
+  mask = reference.token_mask(*map(jnp.asarray, (seg, pos, seg, pos, shared)))
+  # Group B's continuations (row 0, tokens 12..17) see B's prompt (8..11), not A's (0..2).
+  assert mask[0, 12:18, 8:12].all() and not mask[0, 12:18, :3].any()
+  assert mask[0, 3:8, :3].all()  # A's continuations see A's prompt
+  k = jax.random.split(jax.random.key(2), 4)
+  qkv = (jax.random.normal(k[0], (2, 21, 4, 16)), jax.random.normal(k[1], (2, 21, 2, 16)),
+         jax.random.normal(k[2], (2, 21, 2, 16)))
+  w = jax.random.normal(k[3], (2, 21, 4, 16))
+  ids = [jnp.asarray(x) for x in (seg, pos, seg, pos, shared)]
+  o_ref, g_ref = value_and_grads(*qkv, ids, w, "reference")
+  o, g = value_and_grads(*qkv, ids, w, implementation)
+  assert rel_err(o, o_ref) < 1e-5 and max(rel_err(a, b) for a, b in zip(g, g_ref)) < 1e-5

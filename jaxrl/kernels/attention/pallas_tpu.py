@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.attention.reference import MASK_VALUE
+from jaxrl.kernels.attention.reference import MASK_VALUE, UNIT_SHIFT
 from jaxrl.kernels.fused_logprob import common
 from jaxrl.kernels.fused_logprob.pallas_common import default_interpret
 
@@ -90,7 +90,10 @@ def _block_mask(qseg_ref, qpos_ref, kseg_ref, kpos_ref, kshr_ref):
   """`[bq, bk]` bool, True where the query attends the key (`reference.token_mask`)."""
   qs, qp = qseg_ref[...], qpos_ref[...]  # [bq, 1]
   ks, kp = kseg_ref[...], kpos_ref[...]  # [1, bk]
-  return (qs >= 0) & (ks >= 0) & (kp <= qp) & ((ks == qs) | (kshr_ref[...] != 0))
+  # A shared key (a group's prompt) is seen by every query of its unit.
+  unit = lambda x: lax.shift_right_arithmetic(x, jnp.int32(UNIT_SHIFT))
+  same = (ks == qs) | ((kshr_ref[...] != 0) & (unit(ks) == unit(qs)))
+  return (qs >= 0) & (ks >= 0) & (kp <= qp) & same
 
 
 def _real_keys(j, bk: int, s_len: int, axis: int):
