@@ -1,0 +1,511 @@
+"""A recipe's train step at its real model shape: step time, model FLOPs, MFU, compiled memory and
+padding, on random weights and a GSM8K-like batch.
+
+Prints ONE JSON object on stdout (progress goes to stderr).
+
+  PYTHONPATH=. python benchmarks/recipe_scale.py --recipe configs/qwen2_5_0_5b_gsm8k.py --steps 5
+  PYTHONPATH=. python benchmarks/recipe_scale.py --recipe configs/llama3_2_1b_gsm8k.py --packing
+  PYTHONPATH=. python benchmarks/recipe_scale.py --quick            # CPU smoke test, < 2 min
+
+The model. The recipe's `model.hf_path` checkpoint is not read (it need not exist): the
+architecture comes from `--hf-config path/to/config.json` when given, else from `ARCHITECTURES`
+(published shapes) by the checkpoint directory's name, with random weights. As the trainer
+does with a checkpoint, the recipe sets `param_dtype`, `scan_layers`, compute `dtype`, `remat`
+and `attention`. `--layers N` keeps the first N layers; `--quick` keeps 2 layers, a 4,096-token
+vocabulary, 4 prompts x 4 samples of 32 + 64 tokens and 256-token packed rows.
+
+The step. The recipe's RL step as the trainer builds it: `rl_step_config` (objective, shared
+prompts, micro-batching, token-budget packing when `train.packing`), the recipe's optimizer, the
+train mesh of `mesh.*` over the visible devices. `--packing/--no-packing`, `--microbatches` and
+`--microbatch-tokens` override the recipe. One batch of rollout.num_prompts x group_size rows of
+max_prompt_len + max_new_tokens positions, drawn once (seeded) from the length distribution
+below, is timed for `--steps` steps after `--warmup` untimed ones; packed and unpacked runs with
+the same `--seed` time the same data. The step is compiled once ahead of time (`lower().compile()`,
+its `memory_analysis()` reported) and that executable is what is timed.
+
+The length distribution (GSM8K-like; an assumption stated here, not measured from a model):
+- prompt (chat template + question + instruction), per group: Normal(mean 120, sd 25) tokens,
+  rounded, clipped to [8, max_prompt_len];
+- completion, per row: LogNormal(median 180, sigma 0.5) tokens, rounded, clipped to
+  [1, max_new_tokens] (a row at the cap is a truncated answer);
+- with `--quick` both are scaled by the quick budgets over the recipe's (32/256, 64/512 for the
+  GSM8K recipes), so rows keep the same shape relative to their budget.
+Tokens are uniform over [2, vocab); rewards are 0/1 at random; rollout log-probs are random.
+
+Model FLOPs per step (`model_flops`; the PaLM appendix-B convention, no rematerialisation):
+
+    6 x P x T  +  12 x L x H x Dh x C
+
+- P: parameters that multiply activations at every position: all parameters except the input
+  embedding table when it is a lookup only (untied); a tied table is counted once, as the LM
+  head. Norm scales and biases are included (negligible). The LM head is counted at every trained
+  position, prompt positions too, as 6 N D does (the step scores only completion tokens).
+- T: trained positions: each group's prompt once (its real tokens, as the step runs it with
+  shared prompts) plus every completion at its real length.
+- C: the sum of causal context lengths: a prompt of p tokens gives 1 + ... + p; completion token
+  j (from 0) of that group's row gives p + j + 1. L layers, H query heads of Dh each: q k^T and
+  attention x v are 2 H Dh flops per context position each, times 3 for forward + backward.
+Not counted: padding positions, a prompt repeated when packing cuts a long group into several
+units, remat's recomputed forward, the optimizer. MFU = model FLOPs / (median step time x the
+bf16 peak of one device x the train mesh's devices); the peak comes from `PEAK_TFLOPS` by
+`jax.devices()[0].device_kind` (null on CPU) or `--peak-tflops`.
+
+Padding (`padding` in the JSON, on the timed batch and on `--padding-batches` more batches of
+the same distribution):
+- `unpacked_rows`: 1 - real / (rows x (max_prompt_len + max_new_tokens)), real = each row's
+  prompt + completion, as a row-per-sample layout pads;
+- `unpacked_shared_prompts`: the same over what the unpacked step runs with shared prompts,
+  groups x max_prompt_len + rows x max_new_tokens;
+- `packed`: `packing.padding_fraction` of the packing units (each group's prompt once + its
+  completions, cut into several units where a group exceeds a packed row, as `packing.pack`
+  cuts them) into packed rows of `train.microbatch_tokens`.
+
+`"rollout": null`: the rollout issue adds decode measurements (tokens/s, memory roofline) of
+the same recipe to this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl import config as config_lib
+from jaxrl.config.loader import load_recipe
+from jaxrl.core.types import TrainBatch
+from jaxrl.learner import packing
+from jaxrl.learner.rl import rl_step_config
+from jaxrl.learner.step import (build_train_step, check_batch, make_optimizer, shared_group,
+                                to_rows)
+from jaxrl.models.hf_checkpoint import config_from_hf
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import abstract_model, init_model
+from jaxrl.parallel.sharding import make_mesh
+
+# Published config.json shapes, by the recipe checkpoint directory's name (lower case).
+ARCHITECTURES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
+                         num_kv_heads=2, head_dim=64, mlp_dim=4864, tie_embeddings=True,
+                         qkv_bias=True, rope_theta=1e6, rms_eps=1e-6),
+    "llama-3.2-1b": dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
+                         num_kv_heads=8, head_dim=64, mlp_dim=8192, tie_embeddings=True,
+                         rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                         rope_original_max_positions=8192, rms_eps=1e-5),
+}
+
+# Dense bf16 peak TFLOP/s of one device, by a substring of `device_kind` (first match wins, so
+# the more specific names come first). TPU v5e reports "TPU v5 lite", v6e "TPU v6 lite".
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
+               ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0),
+               ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU v6e", 918.0))
+
+# GSM8K-like lengths at the recipe's budgets (see the module docstring).
+PROMPT_MEAN, PROMPT_SD, PROMPT_MIN = 120.0, 25.0, 8
+COMPLETION_MEDIAN, COMPLETION_SIGMA = 180.0, 0.5
+
+QUICK = dict(layers=2, vocab=4096, prompts=4, group=4, prompt_len=32, new_tokens=64,
+             microbatch_tokens=256)
+MA_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+             "alias_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def log(*a):
+  print(*a, file=sys.stderr, flush=True)
+
+
+# ---- model FLOPs --------------------------------------------------------------------------------
+
+
+def flop_params(model_cfg: ModelConfig) -> int:
+  """P of `model_flops`: every parameter of the built model, less the input embedding table when
+  untied (a lookup, no multiply); a tied table stays, counted once as the LM head."""
+  _, state = abstract_model(model_cfg)
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+  lookup = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
+  return total - lookup
+
+
+def model_flops(params: int, layers: int, heads: int, head_dim: int, prompt_lens,
+                completion_lens, group: int) -> dict:
+  """Model FLOPs of one train step (forward + backward) over groups of `group` consecutive rows
+  sharing a prompt: `prompt_lens` [groups] real prompt tokens, `completion_lens` [groups x group]
+  real completion tokens. 6 P T + 12 L H Dh C (module docstring): T counts each prompt once, C
+  sums causal context lengths (prompt token i: i + 1; completion token j: p + j + 1)."""
+  p = np.asarray(prompt_lens, np.int64)
+  c = np.asarray(completion_lens, np.int64).reshape(len(p), group)
+  positions = int(p.sum() + c.sum())
+  context = int((p * (p + 1) // 2).sum() + (c * p[:, None] + c * (c + 1) // 2).sum())
+  dense = 6 * params * positions
+  attention = 12 * layers * heads * head_dim * context
+  return {"params": params, "trained_positions": positions, "context_sum": context,
+          "dense_flops": dense, "attention_flops": attention, "flops": dense + attention}
+
+
+# ---- the batch ----------------------------------------------------------------------------------
+
+
+def sample_lengths(rng, prompts: int, group: int, prompt_len: int, new_tokens: int,
+                   scale_prompt: float = 1.0, scale_completion: float = 1.0):
+  """(prompt lengths [prompts], completion lengths [prompts x group]) of the GSM8K-like
+  distribution, scaled (quick) and clipped to the budgets."""
+  p = rng.normal(PROMPT_MEAN * scale_prompt, PROMPT_SD * scale_prompt, prompts)
+  p = np.clip(np.rint(p), min(PROMPT_MIN, prompt_len), prompt_len).astype(np.int64)
+  c = rng.lognormal(math.log(COMPLETION_MEDIAN * scale_completion), COMPLETION_SIGMA,
+                    prompts * group)
+  c = np.clip(np.rint(c), 1, new_tokens).astype(np.int64)
+  return p, c
+
+
+def make_batch(rng, p_lens, c_lens, group: int, prompt_len: int, new_tokens: int,
+               vocab: int) -> TrainBatch:
+  """Rows in groups of `group` with one left-padded prompt each (the layout shared prompts need)
+  and right-padded completions of the given real lengths."""
+  b = len(c_lens)
+  prompt_valid = np.arange(prompt_len)[None, :] >= (prompt_len - np.repeat(p_lens, group))[:, None]
+  prompts = np.repeat(rng.integers(2, vocab, (len(p_lens), prompt_len)), group, 0)
+  mask = np.arange(new_tokens)[None, :] < np.asarray(c_lens)[:, None]
+  tokens = rng.integers(2, vocab, (b, new_tokens))
+  return TrainBatch(
+      prompt_tokens=np.where(prompt_valid, prompts, 0).astype(np.int32),
+      prompt_valid=prompt_valid,
+      tokens=np.where(mask, tokens, 0).astype(np.int32),
+      mask=mask,
+      rollout_logprobs=np.where(mask, -rng.uniform(0.05, 4.0, (b, new_tokens)), 0.0)
+      .astype(np.float32),
+      rewards=rng.integers(0, 2, b).astype(np.float32),
+      group_id=(np.arange(b) // group).astype(np.int32),
+      temperature=np.ones(b, np.float32),
+      completion_valid=mask)
+
+
+def packing_units(row_prompts, c_lens, group: int, budget: int) -> list[int]:
+  """Lengths of the packing units as `packing.pack` forms them from rows with `row_prompts` and
+  `c_lens` real tokens: consecutive rows of one group after one copy of its prompt, a new unit
+  (with its own prompt copy) when the next row would overflow `budget`. `group` <= 1: every row
+  is its own unit."""
+  g = max(group, 1)
+  units, fill, prev = [], 0, -1
+  for r, c in enumerate(int(x) for x in c_lens):
+    p = int(row_prompts[r])
+    if r // g != prev or p + fill + c > budget:
+      units.append(p)
+      fill, prev = 0, r // g
+    units[-1] += c
+    fill += c
+  return units
+
+
+def padding(p_lens, c_lens, group: int, prompt_len: int, new_tokens: int, budget: int,
+            share: int) -> dict:
+  """Padding fractions of one batch (module docstring); `group` rows per prompt, `share` the
+  step's prompt-sharing group (0: none)."""
+  rows = len(c_lens)
+  row_prompts = np.repeat(p_lens, group)
+  real_rows = int(row_prompts.sum() + np.sum(c_lens))
+  real_shared = int(np.sum(p_lens) + np.sum(c_lens))
+  units = packing_units(row_prompts, c_lens, share, budget)
+  return {"unpacked_rows": 1 - real_rows / (rows * (prompt_len + new_tokens)),
+          "unpacked_shared_prompts": 1 - real_shared / (len(p_lens) * prompt_len
+                                                        + rows * new_tokens),
+          "packed": packing.padding_fraction(units, budget),
+          "packed_rows_used": len(pack_bins(units, budget)),
+          "packing_units": len(units)}
+
+
+def pack_bins(units, budget: int) -> list[int]:
+  """First fit decreasing, as `packing.padding_fraction` places units: the fill of each row."""
+  fills: list[int] = []
+  for n in sorted(units, reverse=True):
+    for i, f in enumerate(fills):
+      if f + n <= budget:
+        fills[i] += n
+        break
+    else:
+      fills.append(n)
+  return fills
+
+
+# ---- the step -----------------------------------------------------------------------------------
+
+
+def train_mesh(cfg):
+  """The recipe's train mesh over the visible devices (a -1 axis takes what the others leave)."""
+  axes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+  if -1 in axes:
+    axes[axes.index(-1)] = jax.device_count() // math.prod(a for a in axes if a != -1)
+  return make_mesh(*axes)
+
+
+def recipe_model(cfg, args) -> tuple[ModelConfig, str]:
+  """The architecture (`--hf-config`, else `ARCHITECTURES` by the checkpoint's name) with the
+  recipe's run fields, as the trainer sets them on a loaded checkpoint."""
+  m = cfg.model
+  if args.hf_config:
+    with open(args.hf_config) as f:
+      arch = config_from_hf(json.load(f), param_dtype=m.param_dtype, config_path=args.hf_config)
+    source = args.hf_config
+  else:
+    name = os.path.basename(os.path.normpath(m.hf_path or "")).lower().replace("-instruct", "")
+    if name not in ARCHITECTURES:
+      raise SystemExit(f"recipe_scale: no known shape for model.hf_path={m.hf_path!r}; pass "
+                       f"--hf-config path/to/config.json (known: {', '.join(ARCHITECTURES)})")
+    arch = ModelConfig(**ARCHITECTURES[name])
+    source = f"ARCHITECTURES[{name!r}]"
+  over = dict(param_dtype=m.param_dtype, dtype=m.dtype, scan_layers=m.scan_layers,
+              remat=m.remat, attention=m.attention)
+  layers = args.layers or (QUICK["layers"] if args.quick else None)
+  if layers:
+    over["num_layers"] = layers
+  if args.quick:
+    over["vocab_size"] = QUICK["vocab"]
+  return dataclasses.replace(arch, **over), source
+
+
+def apply_overrides(cfg, args) -> dict:
+  """The recipe's batch and micro-batching, with `--quick` and the flags applied (in place);
+  returns the length scales of the quick distribution."""
+  r, t = cfg.rollout, cfg.train
+  scales = {"prompt": 1.0, "completion": 1.0}
+  if args.quick:
+    scales = {"prompt": QUICK["prompt_len"] / r.max_prompt_len,
+              "completion": QUICK["new_tokens"] / r.max_new_tokens}
+    r.num_prompts, r.group_size = QUICK["prompts"], min(QUICK["group"], r.group_size)
+    r.max_prompt_len, r.max_new_tokens = QUICK["prompt_len"], QUICK["new_tokens"]
+    r.max_total_tokens = 0
+    t.microbatch_tokens = QUICK["microbatch_tokens"]
+    if t.num_microbatches > 0:  # whole groups in every micro-batch, so prompts stay shared
+      t.num_microbatches = min(t.num_microbatches, 2)
+  if args.microbatch_tokens:
+    t.microbatch_tokens = args.microbatch_tokens
+  if args.microbatches is not None:
+    t.num_microbatches = args.microbatches
+  if args.packing is not None:
+    t.packing = args.packing
+  if t.get("packing", False):
+    t.num_microbatches = 0  # packing counts micro-batches itself (the config requires 0)
+  return scales
+
+
+def memory_stats(compiled) -> dict | None:
+  """`memory_analysis()` of the compiled step as ints (None where the backend has none)."""
+  try:
+    ma = compiled.memory_analysis()
+  except Exception as e:  # noqa: BLE001  (some backends raise instead of returning None)
+    return {"error": f"{type(e).__name__}: {e}"}
+  if ma is None:
+    return None
+  return {f: int(getattr(ma, f)) for f in MA_FIELDS if getattr(ma, f, None) is not None}
+
+
+def micro_batches(step_cfg, batch: TrainBatch, shards: int, share: int) -> dict:
+  """The micro-batches the step runs on `batch`: the fixed count, or with packing the streams
+  `packing.pack` allocates (capacity) and fills (used), ceil(used / shards) micro-batches."""
+  b, lp = batch.prompt_tokens.shape
+  n = batch.tokens.shape[1]
+  if not step_cfg.pack_tokens:
+    return {"count": step_cfg.num_microbatches, "rows_each": b // step_cfg.num_microbatches}
+  streams = packing.capacity(b, lp, n, step_cfg.pack_tokens, shards)
+  # On the host CPU where there is one (JAX_PLATFORMS may leave only the accelerator): this is
+  # bookkeeping, not part of the timed step.
+  try:
+    host = jax.devices("cpu")[0]
+  except RuntimeError:
+    host = jax.devices()[0]
+  with jax.default_device(host):
+    packed = jax.jit(packing.pack, static_argnames=("group", "budget", "streams"))(
+        batch.prompt_tokens, batch.prompt_valid, batch.tokens, batch.mask | batch.completion_valid,
+        batch.temperature, group=share, budget=step_cfg.pack_tokens, streams=streams)
+    used, overflow = int(packed.used), int(packed.overflow)
+  return {"count": -(-used // shards), "streams_capacity": streams, "streams_used": used,
+          "stream_tokens": step_cfg.pack_tokens, "overflow_units": overflow}
+
+
+def time_step(cfg, model_cfg: ModelConfig, step_cfg, mesh, batch: TrainBatch, steps: int,
+              warmup: int) -> dict:
+  """Compiles the step once, runs `warmup` untimed calls and `steps` timed ones on `batch`."""
+  t = cfg.train
+  opt = make_optimizer(t.learning_rate, b1=t.b1, b2=t.b2, eps=t.adam_eps,
+                       weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                       warmup_steps=t.warmup_steps, schedule=t.lr_schedule,
+                       total_steps=t.steps, final_frac=t.final_lr_frac)
+  t0 = time.perf_counter()
+  graphdef, params = init_model(model_cfg, cfg.seed)
+  step, init_state = build_train_step(graphdef, opt, step_cfg, mesh, params)
+  state = init_state(params)
+  del params  # the state holds the (donated) params now
+  dev_batch = to_rows(batch, mesh)
+  jax.block_until_ready((state, dev_batch))
+  init_s = time.perf_counter() - t0
+  check_batch(batch, step_cfg)
+  t0 = time.perf_counter()
+  compiled = step.jitted.lower(state, dev_batch).compile()
+  compile_s = time.perf_counter() - t0
+  log(f"init {init_s:.1f}s, compile {compile_s:.1f}s")
+  times, metrics = [], None
+  for i in range(warmup + steps):
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, dev_batch)
+    jax.block_until_ready((state, metrics))
+    dt = time.perf_counter() - t0
+    if i >= warmup:
+      times.append(dt)
+    log(f"step {i}{' (warm-up)' if i < warmup else ''}: {dt * 1e3:.1f} ms")
+  if int(metrics["skipped_nonfinite"]) or int(metrics["prompt_layout_errors"]):
+    raise RuntimeError("the step skipped its update: its timing is not a train step's")
+  return {"init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
+          "step_s": [round(x, 5) for x in times], "median_step_s": statistics.median(times),
+          "loss": float(metrics["loss"]), "applied_steps": int(state.step),
+          "memory_analysis": memory_stats(compiled)}
+
+
+def peak_tflops(kind: str, override: float | None) -> tuple[float | None, str]:
+  if override is not None:
+    return override, "--peak-tflops"
+  for name, tf in PEAK_TFLOPS:
+    if name.lower() in kind.lower():
+      return tf, f"PEAK_TFLOPS[{name!r}]"
+  return None, "unknown device kind (pass --peak-tflops)"
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--recipe", default="configs/qwen2_5_0_5b_gsm8k.py", help="a run config file")
+  ap.add_argument("--hf-config", default=None,
+                  help="an HF config.json for the architecture (default: ARCHITECTURES by the "
+                       "recipe's model.hf_path name)")
+  ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+  ap.add_argument("--steps", type=int, default=5, help="timed steps")
+  ap.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
+  ap.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                  help="token-budget packing (default: the recipe's train.packing)")
+  ap.add_argument("--microbatches", type=int, default=None,
+                  help="train.num_microbatches (0: auto by train.microbatch_tokens)")
+  ap.add_argument("--microbatch-tokens", type=int, default=None, help="train.microbatch_tokens")
+  ap.add_argument("--peak-tflops", type=float, default=None,
+                  help="bf16 peak TFLOP/s of one device (default: PEAK_TFLOPS by device kind)")
+  ap.add_argument("--seed", type=int, default=0, help="the batch's lengths and tokens")
+  ap.add_argument("--padding-batches", type=int, default=16,
+                  help="more batches of the distribution for the padding estimate")
+  ap.add_argument("--quick", action="store_true", help="CPU smoke test (module docstring)")
+  args = ap.parse_args(argv)
+  if args.steps < 1 or args.warmup < 0:
+    ap.error("--steps >= 1 and --warmup >= 0")
+  return args
+
+
+def padding_report(rng, p_lens, c_lens, cfg, share: int, scales: dict, extra: int) -> dict:
+  r = cfg.rollout
+  pad = lambda p, c: padding(p, c, r.group_size, r.max_prompt_len, r.max_new_tokens,
+                             cfg.train.microbatch_tokens, share)
+  timed = pad(p_lens, c_lens)
+  more = [pad(*sample_lengths(rng, r.num_prompts, r.group_size, r.max_prompt_len,
+                              r.max_new_tokens, scales["prompt"], scales["completion"]))
+          for _ in range(extra)]
+  keys = ("unpacked_rows", "unpacked_shared_prompts", "packed")
+  mean = {k: round(statistics.fmean(m[k] for m in more), 4) for k in keys} if more else None
+  lengths = {"prompt_mean": round(float(np.mean(p_lens)), 1),
+             "completion_mean": round(float(np.mean(c_lens)), 1),
+             "completion_median": float(np.median(c_lens)),
+             "completions_at_cap": int(np.sum(c_lens == r.max_new_tokens))}
+  return {"timed_batch": {k: round(v, 4) if isinstance(v, float) else v for k, v in timed.items()},
+          f"mean_of_{extra}_batches": mean, "timed_batch_lengths": lengths,
+          "distribution": {"prompt": f"Normal({PROMPT_MEAN * scales['prompt']:g}, "
+                                     f"{PROMPT_SD * scales['prompt']:g}) clipped to "
+                                     f"[{min(PROMPT_MIN, r.max_prompt_len)}, {r.max_prompt_len}]",
+                           "completion": f"LogNormal(median "
+                                         f"{COMPLETION_MEDIAN * scales['completion']:g}, sigma "
+                                         f"{COMPLETION_SIGMA}) clipped to [1, "
+                                         f"{r.max_new_tokens}]",
+                           "seed": None},
+          "microbatch_tokens": cfg.train.microbatch_tokens}
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  t_start = time.perf_counter()
+  cfg = load_recipe(args.recipe)
+  scales = apply_overrides(cfg, args)
+  model_cfg, source = recipe_model(cfg, args)
+  mesh = train_mesh(cfg)
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  step_cfg = rl_step_config(cfg, shards)
+  r = cfg.rollout
+  rng = np.random.default_rng(args.seed)
+  p_lens, c_lens = sample_lengths(rng, r.num_prompts, r.group_size, r.max_prompt_len,
+                                  r.max_new_tokens, scales["prompt"], scales["completion"])
+  batch = make_batch(rng, p_lens, c_lens, r.group_size, r.max_prompt_len, r.max_new_tokens,
+                     model_cfg.vocab_size)
+  log(f"{args.recipe}: {model_cfg.num_layers} layers, d {model_cfg.d_model}, vocab "
+      f"{model_cfg.vocab_size}; {len(c_lens)} rows of {r.max_prompt_len} + {r.max_new_tokens}; "
+      f"packing {bool(step_cfg.pack_tokens)}; mesh {dict(mesh.shape)}")
+
+  flops = model_flops(flop_params(model_cfg), model_cfg.num_layers, model_cfg.num_heads,
+                      model_cfg.head_dim, p_lens, c_lens, r.group_size)
+  # The prompt-sharing group the step uses on these rows (0 when micro-batches would cut groups).
+  share = shared_group(step_cfg, len(c_lens))
+  mb = micro_batches(step_cfg, batch, shards, share)
+  timing = time_step(cfg, model_cfg, step_cfg, mesh, batch, args.steps, args.warmup)
+  kind = jax.devices()[0].device_kind
+  peak, peak_source = peak_tflops(kind, args.peak_tflops)
+  med = timing["median_step_s"]
+  achieved = flops["flops"] / med
+  pad = padding_report(rng, p_lens, c_lens, cfg, share, scales,
+                       args.padding_batches)
+  pad["distribution"]["seed"] = args.seed
+
+  report = {
+      "benchmark": "recipe_scale",
+      "command": shlex.join(["python", *sys.argv]),
+      "quick": args.quick,
+      "recipe": args.recipe,
+      "device": {"kind": kind, "backend": jax.default_backend(), "count": jax.device_count(),
+                 "peak_bf16_tflops": peak, "peak_source": peak_source},
+      "versions": {"jax": jax.__version__, "python": platform.python_version()},
+      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                  "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+      "model": {"source": source, **{k: getattr(model_cfg, k) for k in (
+          "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+          "mlp_dim", "tie_embeddings", "qkv_bias", "rope_theta", "rope_scaling", "param_dtype",
+          "dtype", "scan_layers", "remat", "attention")}},
+      "batch": {"prompts": r.num_prompts, "group_size": r.group_size,
+                "rows": len(c_lens), "max_prompt_len": r.max_prompt_len,
+                "max_new_tokens": r.max_new_tokens},
+      "step": {"mesh": dict(mesh.shape), "row_shards": shards,
+               "packing": bool(step_cfg.pack_tokens), "shared_prompts": share,
+               "num_microbatches": step_cfg.num_microbatches,
+               "microbatch_tokens": cfg.train.microbatch_tokens, "micro_batches": mb,
+               "logprob_impl": step_cfg.logprob_impl or "auto",
+               "objective": {"policy": step_cfg.objective.policy,
+                             "correction": list(step_cfg.objective.correction)}},
+      "timing": {k: (round(v, 5) if k == "median_step_s" else v) for k, v in timing.items()
+                 if k != "memory_analysis"},
+      "compiled_memory": timing["memory_analysis"],
+      "flops": {**flops, "formula": "6 P T + 12 L H Dh C (module docstring)"},
+      "achieved_tflops": round(achieved / 1e12, 4),
+      "mfu": None if peak is None else round(achieved / (peak * 1e12 * mesh.size), 5),
+      "trained_positions_per_s": round(flops["trained_positions"] / med, 1),
+      "padding": pad,
+      "rollout": None,  # decode measurements: added by the rollout issue
+      "total_wall_s": round(time.perf_counter() - t_start, 1),
+  }
+  print(json.dumps(report, indent=2))
+  return report
+
+
+if __name__ == "__main__":
+  main()
