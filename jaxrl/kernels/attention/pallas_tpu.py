@@ -30,8 +30,12 @@ sliced off) and S to a multiple of `bk` with zero keys whose column index is pas
 score `-inf` (weight 0, even in a fully masked row), so a fully masked row still averages the
 S real values exactly as in `reference`. Masked keys score `MASK_VALUE`, as everywhere.
 
-Memory: the inputs, the output and `[B, H, T]` float32 statistics in HBM; per program a few
-`[bq, bk]` and `[bq, Dh]` tiles in VMEM. Nothing quadratic in the sequence.
+Memory: the inputs, the output and `[B, H, T]` float32 statistics (`m`, `l`: the residuals the
+backward pass reads besides q, k, v and out) in HBM; per program a few `[bq, bk]` and
+`[bq, Dh]` tiles in VMEM. Nothing quadratic in the sequence. Transient, per call: the kernels
+read per-query values as `[.., T, 1]` columns, which a TPU pads to 128 lanes in HBM (the token
+integers, 2 x 512 bytes per query token; in the backward pass `m`, `l` and `delta`, 3 x 512 bytes
+per query token and head).
 """
 
 from __future__ import annotations
@@ -282,7 +286,7 @@ def _layout(q, k, v, bq, bk, interpret):
 
 
 def _forward(q, k, v, ids, scale, bq, bk, interpret):
-  """`(out [B, T, H, Dh] in q's dtype, m, l [B, H, Tp, 1] float32)`."""
+  """`(out [B, T, H, Dh] in q's dtype, m, l [B, H, Tp] float32)`."""
   qh, kh, vh, (t, s, bq, bk, tp, sp) = _layout(q, k, v, bq, bk, interpret)
   b, h, _, d = qh.shape
   g = h // kh.shape[1]
@@ -301,7 +305,9 @@ def _forward(q, k, v, ids, scale, bq, bk, interpret):
       interpret=interpret,
       name="attention_fwd",
   )(*ids, qh, kh, vh)
-  return o[:, :, :t].transpose(0, 2, 1, 3), m, l
+  # The statistics leave as [B, H, Tp]: a TPU pads the minor dim of a [.., Tp, 1] array to 128
+  # lanes, which as a saved residual would cost 128x its size in HBM until the backward pass.
+  return o[:, :, :t].transpose(0, 2, 1, 3), m[..., 0], l[..., 0]
 
 
 def _default_interpret(args):
@@ -333,7 +339,7 @@ def _backward(q, k, v, ids, out, m, l, do, scale, bq, bk, interpret):
   delta = _pad_axis(delta.transpose(0, 2, 1), 2, tp, 0)[..., None]
   ids = _token_ids(*ids, tp, sp)
   axes = common.varying_axes(qh, kh, vh, doh, m, *ids)
-  kernel_args = (*ids, qh, kh, vh, doh, m, l, delta)
+  kernel_args = (*ids, qh, kh, vh, doh, m[..., None], l[..., None], delta)
 
   sp_ = _specs(bq, bk, d, g, for_keys=False)
   dq = pl.pallas_call(
