@@ -14,7 +14,8 @@ The math is `xla.py`'s (see its docstring), tiled over queries as well as keys. 
 The accumulating axes run in order on one core ("arbitrary"); the others are "parallel".
 
 The mask is built per `[bq, bk]` block inside the kernels from per-token integers (segment,
-position, shared flag), never as a `[T, S]` array in HBM. The per-query integers travel as
+position, shared flag; a shared key is seen within its segment's unit, `reference.UNIT_SHIFT`),
+never as a `[T, S]` array in HBM. The per-query integers travel as
 `[B, T, 1]` columns and the per-key ones as `[B, 1, S]` rows, so they broadcast against each
 other into the block's mask.
 
@@ -405,8 +406,9 @@ def attention(q, k, v, q_segment, q_position, kv_segment, kv_position, kv_shared
   multiples of 128 when compiled (`ValueError` otherwise; any width interpreted). A sequence
   shorter than its block is one block, padded to the next multiple of 128 (8 interpreted).
   `interpret`: True (or a `pltpu.InterpretParams`) runs the kernels in Pallas' interpreter;
-  None interprets everywhere but on TPU (`pallas_common.default_interpret`); False compiles for
-  TPU (also what lowering for a TPU from another machine needs).
+  None compiles on TPU, interprets on CPU (`pallas_common.default_interpret`) and raises
+  `ValueError` on GPU; False compiles for TPU (also what lowering for a TPU from another
+  machine needs).
   Differentiable w.r.t. q, k, v (Pallas backward kernels).
   """
   if block_q is None:
