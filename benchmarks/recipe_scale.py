@@ -389,7 +389,7 @@ def parse_args(argv=None):
                   help="an HF config.json for the architecture (default: ARCHITECTURES by the "
                        "recipe's model.hf_path name)")
   ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
-  ap.add_argument("--steps", type=int, default=5, help="timed steps")
+  ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 3)")
   ap.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
   ap.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                   help="token-budget packing (default: the recipe's train.packing)")
@@ -403,6 +403,8 @@ def parse_args(argv=None):
                   help="more batches of the distribution for the padding estimate")
   ap.add_argument("--quick", action="store_true", help="CPU smoke test (module docstring)")
   args = ap.parse_args(argv)
+  if args.steps is None:
+    args.steps = 3 if args.quick else 5
   if args.steps < 1 or args.warmup < 0:
     ap.error("--steps >= 1 and --warmup >= 0")
   return args

@@ -1,0 +1,98 @@
+"""benchmarks/recipe_scale.py: the FLOP and padding arithmetic by hand, and the --quick run's JSON."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model_config
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PATH = _ROOT / "benchmarks" / "recipe_scale.py"
+_spec = importlib.util.spec_from_file_location("recipe_scale", _PATH)
+rs = importlib.util.module_from_spec(_spec)
+sys.modules["recipe_scale"] = rs
+_spec.loader.exec_module(rs)
+
+
+def test_model_flops_by_hand():
+  # P = 100, L = 2, H = 3, Dh = 4; one group of 2 rows sharing a 3-token prompt, completions of 2
+  # and 1 tokens.
+  # T = 3 (prompt once) + 2 + 1 = 6 -> 6 x 100 x 6 = 3,600.
+  # C: prompt 1 + 2 + 3 = 6; row 0's tokens see 3 + 1, 3 + 2 = 9; row 1's sees 3 + 1 = 4 -> 19;
+  # 12 x 2 x 3 x 4 x 19 = 5,472. Total 9,072.
+  # A prompt counted per row would give T = 9 (5,400 + ...) and C = 6 + 9 + 6 + 4 = 25 (7,200).
+  f = rs.model_flops(100, 2, 3, 4, [3], [2, 1], group=2)
+  assert (f["trained_positions"], f["context_sum"]) == (6, 19)
+  assert (f["dense_flops"], f["attention_flops"], f["flops"]) == (3600, 5472, 9072)
+  # Two groups add up: a second group of prompt 1 and completions 0, 4 -> T 5, C 1 + (2+3+4+5).
+  g = rs.model_flops(100, 2, 3, 4, [3, 1], [2, 1, 0, 4], group=2)
+  assert (g["trained_positions"], g["context_sum"]) == (6 + 5, 19 + 15)
+
+
+def test_flop_params_counts_the_head_once():
+  # tiny_model_config: V 32, D 32, L 2, H 4, K 2, Dh 8, F 64. Untied: the input embedding is a
+  # lookup (not counted), the LM head is. Tied: the one table counted once (as the head).
+  V, D, L, H, K, DH, F = 32, 32, 2, 4, 2, 8, 64
+  body = L * (D * H * DH * 2 + D * K * DH * 2 + D * F * 3 + 2 * D) + D
+  assert rs.flop_params(tiny_model_config()) == body + V * D
+  assert rs.flop_params(tiny_model_config(tie_embeddings=True)) == body + V * D
+
+
+def test_padding_by_hand():
+  # 2 groups of 2 rows, prompts 3 and 5 tokens (budget 8), completions 4, 2 | 6, 2 (budget 8):
+  # real per row 7 + 5 + 11 + 7 = 30 of 4 x 16 = 64 -> 1 - 30/64; shared prompts
+  # 3 + 5 + 14 = 22 of 2 x 8 + 4 x 8 = 48 -> 1 - 22/48.
+  # Packing into rows of 12: group 0 is one unit 3 + 4 + 2 = 9; group 1's 5 + 6 = 11 then + 2
+  # overflows 12, so row 3 starts a unit of its own with the prompt again: 5 + 2 = 7. First fit
+  # decreasing: [11], [9], [7] -> 3 rows of 12, 27 real -> 1 - 27/36. (Cutting row 3 without a
+  # prompt copy would give 25 real; ignoring the budget, 2 rows.)
+  p, c = np.array([3, 5]), np.array([4, 2, 6, 2])
+  pad = rs.padding(p, c, group=2, prompt_len=8, new_tokens=8, budget=12, share=2)
+  assert pad["unpacked_rows"] == pytest.approx(1 - 30 / 64)
+  assert pad["unpacked_shared_prompts"] == pytest.approx(1 - 22 / 48)
+  assert (pad["packing_units"], pad["packed_rows_used"]) == (3, 3)
+  assert pad["packed"] == pytest.approx(1 - 27 / 36)
+  # Without sharing every row is a unit with its own prompt.
+  assert rs.packing_units(np.repeat(p, 2), c, 0, 12) == [7, 5, 11, 7]
+
+
+def test_peak_table():
+  assert rs.peak_tflops("NVIDIA H100 80GB HBM3", None)[0] == 989.0
+  assert rs.peak_tflops("TPU v5 lite", None)[0] == 197.0
+  assert rs.peak_tflops("cpu", None)[0] is None
+  assert rs.peak_tflops("cpu", 1.5)[0] == 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--packing", "--no-packing"])
+def test_quick_run_json(flag):
+  # One CPU device (the recipe's fsdp = -1 would otherwise take conftest's 8 simulated ones).
+  env = {**os.environ, "PYTHONPATH": str(_ROOT), "XLA_FLAGS": ""}
+  out = subprocess.run([sys.executable, str(_PATH), "--quick", flag, "--steps", "1",
+                        "--warmup", "0", "--padding-batches", "2"],
+                       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout)
+  assert r["benchmark"] == "recipe_scale" and r["rollout"] is None
+  assert flag in r["command"] and r["versions"]["jax"] and r["device"]["backend"] == "cpu"
+  assert r["device"]["peak_bf16_tflops"] is None and r["mfu"] is None
+  assert r["model"]["num_layers"] == 2 and r["model"]["d_model"] == 896
+  assert r["batch"]["rows"] == 16 and r["timing"]["applied_steps"] == 1
+  assert r["step"]["packing"] == (flag == "--packing")
+  mb = r["step"]["micro_batches"]
+  assert mb["count"] >= 1
+  if flag == "--packing":
+    assert mb["streams_used"] == r["padding"]["timed_batch"]["packed_rows_used"]
+  assert r["compiled_memory"]["temp_size_in_bytes"] > 0
+  f = r["flops"]
+  assert f["flops"] == f["dense_flops"] + f["attention_flops"]
+  assert r["trained_positions_per_s"] == pytest.approx(
+      f["trained_positions"] / r["timing"]["median_step_s"], rel=1e-3)
+  pad = r["padding"]["timed_batch"]
+  assert 0 <= pad["packed"] < pad["unpacked_rows"] < 1
