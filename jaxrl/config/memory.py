@@ -394,24 +394,31 @@ def device_limit(reported: int | None, environ: Mapping[str, str] = os.environ) 
   return reported
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` (or what caused it) is XLA's out-of-memory: a runtime error whose message
-  holds RESOURCE_EXHAUSTED or "out of memory"."""
-  seen = set()
+def _out_of_memory_cause(error: BaseException | None) -> BaseException | None:
+  """The innermost error of `error`'s chain (causes, contexts) that is XLA's out-of-memory: a
+  runtime error whose message holds RESOURCE_EXHAUSTED or "out of memory"; None if none is."""
+  found, seen = None, set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     text = str(error)
     if isinstance(error, RuntimeError) and ("RESOURCE_EXHAUSTED" in text or
                                             "out of memory" in text.lower()):
-      return True
+      found = error
     error = error.__cause__ or error.__context__
-  return False
+  return found
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` (or what caused it: the rollout thread's failure wraps it) is XLA's
+  out-of-memory."""
+  return _out_of_memory_cause(error) is not None
 
 
 def out_of_memory_message(error: BaseException, plan: MemoryPlan | None, device: str,
                           good: Mapping[str, Any] | None = None) -> str:
   """The one `jaxrl: out of memory on <device>: ...` line: XLA's first line, the plan's numbers
   and the keys that lower them."""
+  error = _out_of_memory_cause(error) or error
   first = next((line.strip() for line in str(error).splitlines() if line.strip()),
                type(error).__name__)[:200]
   if plan is None:
