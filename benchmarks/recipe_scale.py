@@ -78,16 +78,13 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import config as config_lib
 from jaxrl.config.loader import load_recipe
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner import packing
 from jaxrl.learner.rl import rl_step_config
-from jaxrl.learner.step import (build_train_step, check_batch, make_optimizer, shared_group,
-                                to_rows)
+from jaxrl.learner.step import build_train_step, check_batch, make_optimizer, shared_group, to_rows
 from jaxrl.models.hf_checkpoint import config_from_hf
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import abstract_model, init_model
@@ -95,14 +92,14 @@ from jaxrl.parallel.sharding import make_mesh
 
 # Published config.json shapes, by the recipe checkpoint directory's name (lower case).
 ARCHITECTURES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
-                         num_kv_heads=2, head_dim=64, mlp_dim=4864, tie_embeddings=True,
-                         qkv_bias=True, rope_theta=1e6, rms_eps=1e-6),
-    "llama-3.2-1b": dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
-                         num_kv_heads=8, head_dim=64, mlp_dim=8192, tie_embeddings=True,
-                         rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
-                         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                         rope_original_max_positions=8192, rms_eps=1e-5),
+    "qwen2.5-0.5b": {"vocab_size": 151936, "d_model": 896, "num_layers": 24, "num_heads": 14,
+                     "num_kv_heads": 2, "head_dim": 64, "mlp_dim": 4864, "tie_embeddings": True,
+                     "qkv_bias": True, "rope_theta": 1e6, "rms_eps": 1e-6},
+    "llama-3.2-1b": {"vocab_size": 128256, "d_model": 2048, "num_layers": 16, "num_heads": 32,
+                     "num_kv_heads": 8, "head_dim": 64, "mlp_dim": 8192, "tie_embeddings": True,
+                     "rope_theta": 500000.0, "rope_scaling": "llama3", "rope_factor": 32.0,
+                     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                     "rope_original_max_positions": 8192, "rms_eps": 1e-5},
 }
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of `device_kind` (first match wins, so
@@ -115,17 +112,14 @@ PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 
 PROMPT_MEAN, PROMPT_SD, PROMPT_MIN = 120.0, 25.0, 8
 COMPLETION_MEDIAN, COMPLETION_SIGMA = 180.0, 0.5
 
-QUICK = dict(layers=2, vocab=4096, prompts=4, group=4, prompt_len=32, new_tokens=64,
-             microbatch_tokens=256)
+QUICK = {"layers": 2, "vocab": 4096, "prompts": 4, "group": 4, "prompt_len": 32,
+         "new_tokens": 64, "microbatch_tokens": 256}
 MA_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
              "alias_size_in_bytes", "generated_code_size_in_bytes")
 
 
 def log(*a):
   print(*a, file=sys.stderr, flush=True)
-
-
-# ---- model FLOPs --------------------------------------------------------------------------------
 
 
 def flop_params(model_cfg: ModelConfig) -> int:
@@ -151,9 +145,6 @@ def model_flops(params: int, layers: int, heads: int, head_dim: int, prompt_lens
   attention = 12 * layers * heads * head_dim * context
   return {"params": params, "trained_positions": positions, "context_sum": context,
           "dense_flops": dense, "attention_flops": attention, "flops": dense + attention}
-
-
-# ---- the batch ----------------------------------------------------------------------------------
 
 
 def sample_lengths(rng, prompts: int, group: int, prompt_len: int, new_tokens: int,
@@ -237,9 +228,6 @@ def pack_bins(units, budget: int) -> list[int]:
   return fills
 
 
-# ---- the step -----------------------------------------------------------------------------------
-
-
 def train_mesh(cfg):
   """The recipe's train mesh over the visible devices (a -1 axis takes what the others leave)."""
   axes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
@@ -263,8 +251,8 @@ def recipe_model(cfg, args) -> tuple[ModelConfig, str]:
                        f"--hf-config path/to/config.json (known: {', '.join(ARCHITECTURES)})")
     arch = ModelConfig(**ARCHITECTURES[name])
     source = f"ARCHITECTURES[{name!r}]"
-  over = dict(param_dtype=m.param_dtype, dtype=m.dtype, scan_layers=m.scan_layers,
-              remat=m.remat, attention=m.attention)
+  over = {"param_dtype": m.param_dtype, "dtype": m.dtype, "scan_layers": m.scan_layers,
+          "remat": m.remat, "attention": m.attention}
   layers = args.layers or (QUICK["layers"] if args.quick else None)
   if layers:
     over["num_layers"] = layers
@@ -377,9 +365,6 @@ def peak_tflops(kind: str, override: float | None) -> tuple[float | None, str]:
     if name.lower() in kind.lower():
       return tf, f"PEAK_TFLOPS[{name!r}]"
   return None, "unknown device kind (pass --peak-tflops)"
-
-
-# ---- main ---------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):

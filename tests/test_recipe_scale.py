@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import tiny_model_config
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -76,7 +75,7 @@ def test_quick_run_json(flag):
   env = {**os.environ, "PYTHONPATH": str(_ROOT), "XLA_FLAGS": ""}
   out = subprocess.run([sys.executable, str(_PATH), "--quick", flag, "--steps", "1",
                         "--warmup", "0", "--padding-batches", "2"],
-                       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240)
+                       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout)
   assert r["benchmark"] == "recipe_scale" and r["rollout"] is None
