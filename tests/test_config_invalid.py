@@ -27,7 +27,7 @@ CASES = [
     ("odd_head_dim", ["--config.model.head_dim=33"], ["model.head_dim"], "even"),
     ("unknown_dtype", ["--config.model.dtype=float8"], ["model.dtype"], "must be one of"),
     ("unknown_attention", ["--config.model.attention=flash"], ["model.attention"],
-     "must be one of ['auto', 'dense', 'xla']"),
+     "must be one of ['auto', 'cudnn', 'dense', 'pallas_tpu', 'xla']"),
     ("zero_width", ["--config.model.d_model=0"], ["model.d_model"], "must be >= 1, got 0"),
     ("nan_float", ["--config.model.rms_eps=nan"], ["model.rms_eps"], "must be finite, got nan"),
     ("bool_not_parsable", ["--config.model.qkv_bias=maybe"], ["model.qkv_bias"],
@@ -199,3 +199,18 @@ def test_cli_names_every_bad_override_before_compiling(tmp_path):
                                   "config.rollout.temperature", "config.loss.dual_clip",
                                   "did you mean config.train.learning_rate")
   assert not (tmp_path / "run").exists()
+
+
+def test_backend_only_attention_is_refused_elsewhere():
+  """cudnn exists on a CUDA GPU only, in 16-bit compute; pallas_tpu is not a GPU kernel."""
+  cases = [("cudnn", "cpu", "bfloat16", "runs on a CUDA GPU"),
+           ("cudnn", "gpu", "float32", "computes in bfloat16 or float16"),
+           ("pallas_tpu", "gpu", "float32", "the TPU kernel")]
+  for impl, backend, dtype, words in cases:
+    cfg = get_config()
+    cfg.model.attention, cfg.model.dtype = impl, dtype
+    with pytest.raises(ConfigError, match=words):
+      validate(cfg, 1, backend=backend)
+  cfg = get_config()
+  cfg.model.attention, cfg.model.dtype = "cudnn", "bfloat16"
+  validate(cfg, 1, backend="gpu")  # accepted where it runs

@@ -73,6 +73,7 @@ def validate(cfg: ConfigDict, num_devices: int,
   problems = list(problems)
   good = _check_values(cfg, ref, task_names, problems)
   _check_model(good, problems)
+  _check_attention(good, backend, problems)
   processes = num_processes or good.get("distributed.num_processes") or 1
   mesh = resolve_mesh_shape(good, num_devices, processes, problems)
   _check_batch(good, mesh, problems)
@@ -187,6 +188,22 @@ def _check_model(good: dict[str, Any], problems: list[str]) -> None:
     problems.append(
         f"{PREFIX}model.num_heads: must be divisible by {PREFIX}model.num_kv_heads, got "
         f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
+
+
+def _check_attention(good: dict[str, Any], backend: str, problems: list[str]) -> None:
+  """Attention implementations that exist on one backend only are refused elsewhere."""
+  if not _have(good, "model.attention", "model.dtype"):
+    return
+  impl, dtype = good["model.attention"], good["model.dtype"]
+  if impl == "cudnn" and backend != "gpu":
+    problems.append(f"{PREFIX}model.attention: cudnn runs on a CUDA GPU; this run's devices are "
+                    f"{backend} (use auto, xla or dense)")
+  elif impl == "cudnn" and dtype not in ("bfloat16", "float16"):
+    problems.append(f"{PREFIX}model.attention: cudnn computes in bfloat16 or float16; "
+                    f"{PREFIX}model.dtype is {dtype} (use xla, or a 16-bit model.dtype)")
+  if impl == "pallas_tpu" and backend == "gpu":
+    problems.append(f"{PREFIX}model.attention: pallas_tpu is the TPU kernel (interpreted on CPU "
+                    "for tests); on a GPU use cudnn or xla")
 
 
 def _check_packing(good: dict[str, Any], problems: list[str]) -> None:

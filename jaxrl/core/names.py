@@ -42,7 +42,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 REMAT_POLICIES = ("none", "full", "dots")
 # jaxrl.models.model_config: the attention of a forward pass without a KV cache
 # (`model.attention`); "auto" picks one per backend when the forward is traced.
-ATTENTION_IMPLS = ("auto", "dense", "xla")
+ATTENTION_IMPLS = ("auto", "dense", "xla", "cudnn", "pallas_tpu")
 # jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
 ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "cudnn")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).

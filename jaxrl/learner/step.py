@@ -70,8 +70,11 @@ class StepConfig:
   shared_prompts: int = 0
   # With shared prompts: run the prompts and the completions as one packed set of positions
   # (`Transformer.grouped_forward`) instead of two passes through a repeated key/value cache.
-  # None = when the step runs on CPU with its rows on one shard (measured faster there, issue
-  # 22); the two-pass form keeps rows split over the batch axes of a mesh.
+  # None = when the step's rows are on one shard: on CPU measured faster (issue 22), and on every
+  # backend the packed form is the one whose memory is linear in positions (its attention is
+  # `model.attention`'s, blockwise for long rows, and its layers rematerialise; the two-pass
+  # form's continuation pass attends densely through a repeated cache). The two-pass form keeps
+  # rows split over the batch axes of a mesh. `pack_tokens` packs beyond one group per row.
   pack_prompts: bool | None = None
   # > 0: token-budget packing (`jaxrl.learner.packing`). Rows are laid end to end in packed rows
   # of this many positions, one per row shard in each micro-batch; micro-batches run until every
@@ -270,7 +273,7 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
   group = shared_group(cfg, batch.tokens.shape[0])
   pack = cfg.pack_prompts
   if pack is None:
-    pack = jax.default_backend() == "cpu" and row_shards(row_sharding) == 1
+    pack = row_shards(row_sharding) == 1
   cfg = dataclasses.replace(cfg, shared_prompts=group, pack_prompts=bool(group) and pack)
   clip = cfg.adv_clip
   has_tokens = jnp.any(batch.mask, axis=-1)

@@ -43,8 +43,11 @@ AUTO_DENSE_MAX_LENGTH = 1024
 
 
 def resolve_attention(choice: str, backend: str | None = None, length: int | None = None) -> str:
-  """"dense" or "xla" for `ModelConfig.attention` `choice` on `backend` (None: JAX's default
-  backend, read when the forward is traced), for rows of `length` positions (None: short).
+  """The attention a forward uses for `ModelConfig.attention` `choice` on `backend` (None: JAX's
+  default backend, read when the forward is traced), for rows of `length` positions (None:
+  short). A named implementation is itself ("cudnn": cuDNN's flash attention on a CUDA GPU,
+  bf16/f16; "pallas_tpu": the Pallas TPU kernel, interpreted off TPU; neither has run on its
+  device yet); "auto" is "dense" or "xla":
 
   "auto" is "dense" on CPU for rows up to `AUTO_DENSE_MAX_LENGTH` positions: there it is the
   fastest (its own gradient rule, `layers.attention`), and the default run stays bit for bit
@@ -99,10 +102,9 @@ class ModelConfig:
   # rest. Same values either way; only forward passes without a KV cache (training, scoring) use
   # it.
   remat: str = "none"
-  # The attention of forward passes without a KV cache (training, scoring, `grouped_forward`):
-  # "dense" (`layers.attention`, a dense mask), "xla" (`jaxrl.kernels.attention`, blockwise,
-  # memory linear in the sequence) or "auto" (`resolve_attention`: "dense" on CPU, "xla"
-  # elsewhere, untested on GPU/TPU so far). Prefill and decode with a cache stay dense.
+  # The attention of forward passes without a KV cache (training, scoring, `grouped_forward`,
+  # `packed_forward`): "dense" (a dense mask), "xla" (`jaxrl.kernels.attention`, blockwise,
+  # memory linear in the sequence), "cudnn", "pallas_tpu" or "auto" (`resolve_attention`).
   attention: str = "auto"
   # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
   # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`

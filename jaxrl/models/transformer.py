@@ -153,14 +153,15 @@ class Transformer(nnx.Module):
     # it as a buffer instead of recomputing both per element inside every fusion that reads it
     # (the rotary backward's fusions re-evaluated them for each head; issue 22's train step).
     cos, sin = jax.lax.optimization_barrier(rope_tables(positions, config_inv_freq(cfg)))
-    if cache is None and attend is None and resolve_attention(cfg.attention, length=T) == "xla":
+    impl = resolve_attention(cfg.attention, length=T)
+    if cache is None and attend is None and impl != "dense":
       # Each row's own tokens, as the dense mask above: a real token attends the real slots up
       # to its own (segment 0, position = slot); a padding query attends nothing (uniform
       # average, never read: the callers mask padding out of every loss and output). With a
       # cache (prefill, decode: the sampler's path) attention stays dense for now.
       seg = jnp.where(valid, 0, -1)
       slot = jnp.broadcast_to(jnp.arange(T), (B, T))
-      attend = _kernel_attend(seg, slot, None)
+      attend = _kernel_attend(seg, slot, None, impl)
     adapters = self.lora_weights()
     dropout = cfg.lora_dropout if lora_dropout_key is not None else 0.0
     run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key)
@@ -286,14 +287,15 @@ class Transformer(nnx.Module):
     positions = continuation_positions(prompt_valid, valid, group)
     pack = lambda a, c: jnp.concatenate([a, c.reshape(n, group * t)], axis=1)  # [N, Lp + G T]
     packed_positions = pack(left_positions(prompt_valid), positions)
-    if resolve_attention(cfg.attention, length=lp + group * t) == "xla":
+    impl = resolve_attention(cfg.attention, length=lp + group * t)
+    if impl != "dense":
       # The same mask as segments (`jaxrl.kernels.attention`'s group layout): the prompt is
       # segment 0 and shared, continuation g of a group segment g + 1, padding -1. Padding
       # queries then attend nothing (the dense masks let some see keys); no output reads them.
       seg_c = jnp.where(valid, jnp.tile(jnp.arange(1, group + 1), n)[:, None], -1)
       seg = pack(jnp.where(prompt_valid, 0, -1), seg_c)
       shared = pack(prompt_valid, jnp.zeros_like(valid))
-      attend = _kernel_attend(seg, packed_positions, shared)
+      attend = _kernel_attend(seg, packed_positions, shared, impl)
     else:
       attend = self._grouped_dense_attend(prompt_valid, valid)
     hidden, _ = self(pack(prompts, tokens), packed_positions, pack(prompt_valid, valid),

@@ -90,7 +90,10 @@ def get_config() -> ConfigDict:
   c.model.init_std = 0.02
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
   c.model.remat = "none"  # recompute each layer in the backward pass: "none" | "full" | "dots"
-  c.model.attention = "auto"  # training/scoring attention: "auto" (CPU: dense) | "dense" | "xla"
+  # Training/scoring attention: "auto" (CPU: dense up to 1,024-position rows, else xla) |
+  # "dense" | "xla" (blockwise, memory linear in the row) | "cudnn" (CUDA GPU, bf16/f16) |
+  # "pallas_tpu" (the Pallas TPU kernel). Packed rows (segments, shared prompts) take any.
+  c.model.attention = "auto"
   # LoRA for the RL phase (rank 0: off, every parameter trains). With a rank, RL trains only
   # low-rank adapters (Flax NNX `nnx.LoRA`, f32) on the `targets` projections of every layer;
   # the base stays frozen, the optimizer holds state for the adapters alone, and a published

@@ -14,7 +14,7 @@ on a CPU use toy sizes, e.g.
 
     python -m jaxrl.train --config configs/qwen2_5_0_5b_gsm8k.py --config.model.dtype=float32 \
       --config.rollout.num_prompts=2 --config.rollout.group_size=4 \
-      --config.rollout.max_new_tokens=64 --config.train.num_microbatches=1 \
+      --config.rollout.max_new_tokens=64 \
       --config.val.batch_size=8 --config.train.steps=3
 """
 
@@ -55,7 +55,12 @@ def get_config():
   c.train.lr_schedule = "constant"
   c.train.weight_decay = 0.01
   c.train.b2 = 0.999
-  c.train.num_microbatches = 8
+  # Rows packed end to end into 32,768-position micro-batches per batch shard (no padding to the
+  # longest row; each group's prompt once): with remat=full a layer keeps only its input, ~43 KB
+  # a position over 24 layers in bf16, so a micro-batch's activations stay a few GiB.
+  c.train.packing = True
+  c.train.num_microbatches = 0  # counted by tokens
+  c.train.microbatch_tokens = 32768
 
   c.val.every = 20
   c.val.batch_size = 256
