@@ -73,7 +73,7 @@ def _recipe(model_dir, data, run_dir, family="qwen2"):
       f"--config.model.hf_path={model_dir}", f"--config.task.path={data}",
       "--config.task.val_path=", f"--config.run_dir={run_dir}", "--config.model.dtype=float32",
       "--config.rollout.num_prompts=2", "--config.rollout.group_size=4",
-      "--config.rollout.max_new_tokens=12",
+      "--config.rollout.max_new_tokens=12", "--config.train.microbatch_tokens=512",
       "--config.train.steps=3", "--config.train.learning_rate=1e-3", "--config.val.every=3",
       "--config.val.batch_size=8", "--config.checkpoint.every=3",
       "--config.checkpoint.async_save=false",

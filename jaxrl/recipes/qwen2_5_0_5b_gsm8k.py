@@ -55,12 +55,15 @@ def get_config():
   c.train.lr_schedule = "constant"
   c.train.weight_decay = 0.01
   c.train.b2 = 0.999
-  # Rows packed end to end into 32,768-position micro-batches per batch shard (no padding to the
+  # Rows packed end to end into 8,192-position micro-batches per batch shard (no padding to the
   # longest row; each group's prompt once): with remat=full a layer keeps only its input, ~43 KB
-  # a position over 24 layers in bf16, so a micro-batch's activations stay a few GiB.
+  # a position over 24 layers in bf16, so a micro-batch's activations stay near 1 GiB. Longer
+  # packed rows cost more attention than they save: blockwise attention (xla, cudnn) computes
+  # every query-key pair of a packed row, 4 x 8,192 x 896 FLOPs a position per layer here (~0.7x
+  # the model's own 2 x params), growing with the row.
   c.train.packing = True
   c.train.num_microbatches = 0  # counted by tokens
-  c.train.microbatch_tokens = 32768
+  c.train.microbatch_tokens = 8192
 
   c.val.every = 20
   c.val.batch_size = 256
