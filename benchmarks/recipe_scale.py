@@ -60,8 +60,45 @@ the same distribution):
   completions, cut into several units where a group exceeds a packed row, as `packing.pack`
   cuts them) into packed rows of `train.microbatch_tokens`.
 
-`"rollout": null`: the rollout issue adds decode measurements (tokens/s, memory roofline) of
-the same recipe to this script.
+The rollout (`--rollout`, on with `--quick`; `"rollout": null` otherwise). The recipe's
+sampler as the trainer builds it: `make_sampler` on the sampler's model (`rollout_model`: the
+`rollout.dtype` params and compute, so the KV cache; "auto" keeps the trainer's), params placed
+on the train mesh (colocated) with rows split over its 'data' axis, rollout.num_prompts x
+group_size rows, prompts of max_prompt_len real tokens (uniform over [2, vocab)), max_new_tokens
+new tokens each, the recipe's temperature / top-k / top-p, random weights of the same shape.
+`eos_id = vocab_size` (never sampled), so every row generates every token. `--rollout-warmup`
+untimed calls (the first compiles), then `--rollout-calls` timed calls, each followed by a timed
+`prefill` alone (the sampler's `generate.prefill`, same inputs):
+- `tokens_per_s` = rows x max_new_tokens / median call time (prefill + decode);
+- `ms_per_decode_step` = (median call - median prefill) / (max_new_tokens - 1): token 0 comes
+  from prefill's logits, the decode loop runs max_new_tokens - 1 forwards.
+`--quick` shrinks it to 2 prompts x 2 samples of 32 + 8 tokens.
+
+Roofline bytes per decode step (`decode_roofline`, from shapes; memory traffic only, no FLOPs,
+no communication):
+
+    W x bw  +  L x 2 x K x Dh x bc x B x (Lp + N / 2)
+
+- W: the parameters a step's matmuls read, `flop_params` (an untied input table is a lookup of B
+  rows, not read whole); bw: bytes of the sampler's param dtype, as the params are stored (the
+  recipes' "auto" rollout dtype keeps f32 weights, cast to bf16 compute inside the step);
+- the filled KV cache, keys and values (2): L layers, K kv heads of Dh, bc bytes of the compute
+  dtype, B rows, Lp prompt slots plus the mean filled new slots: decode step s = 1 .. N-1 writes
+  token s-1 and attends Lp + s slots, mean N / 2.
+`roofline_tokens_per_s` = B / (bytes per step / peak bandwidth) and `fraction_of_roofline` =
+(B / decode step time) / that. The peak bandwidth comes from `PEAK_GBS` by `device_kind` (HBM
+spec sheets; the H200 is 4,800 GB/s there, where the issue's ~4.3 TB/s is what it achieves: pass
+`--peak-gbs 4300` for that), or `--peak-gbs`; null on CPU, and the mesh's devices add up. The
+static sampler attends over all Lp + N slots of its cache at every step (masked), so it reads
+`kv_bytes_full_cache` a step, more than the filled part the roofline counts.
+
+Hugging Face `generate` (`--hf`, off by default; needs torch and transformers, the `parity`
+extra): the same rows, prompts and new tokens (`min_new_tokens = max_new_tokens`, no EOS, KV
+cache on, `num_return_sequences` = group_size) on `Qwen2ForCausalLM` (q/k/v biases) or
+`LlamaForCausalLM` of the same shape with random weights, bf16 on CUDA when JAX runs on a GPU,
+float32 on the CPU (`sampler_throughput.HFRunner`); its calls alternate with jaxrl's, and
+`ratio_jaxrl_over_hf` is the median of the per-pair ratios. `--hf` sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false (unless set) so that torch finds GPU memory JAX has not taken.
 """
 
 from __future__ import annotations
@@ -78,17 +115,22 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config.loader import load_recipe
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner import packing
 from jaxrl.learner.rl import rl_step_config
-from jaxrl.learner.step import build_train_step, check_batch, make_optimizer, shared_group, to_rows
+from jaxrl.learner.step import (build_train_step, check_batch, make_optimizer, shard_params,
+                                shared_group, to_rows)
 from jaxrl.models.hf_checkpoint import config_from_hf
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import abstract_model, init_model
-from jaxrl.parallel.sharding import make_mesh
+from jaxrl.parallel.sharding import make_mesh, mesh_of
+from jaxrl.rollout.precision import rollout_model
+from jaxrl.rollout.samplers import rows_over
+from jaxrl.rollout.static_sampler import make_sampler
 
 # Published config.json shapes, by the recipe checkpoint directory's name (lower case).
 ARCHITECTURES = {
@@ -114,6 +156,16 @@ COMPLETION_MEDIAN, COMPLETION_SIGMA = 180.0, 0.5
 
 QUICK = {"layers": 2, "vocab": 4096, "prompts": 4, "group": 4, "prompt_len": 32,
          "new_tokens": 64, "microbatch_tokens": 256}
+# --quick's rollout: a few rows and tokens, so the smoke run stays short on a CPU.
+QUICK_ROLLOUT = {"prompts": 2, "group": 2, "new_tokens": 8}
+
+# Peak HBM bandwidth of one device in GB/s (spec sheets), by substrings of `device_kind` that
+# must all occur (first match wins, so the more specific entries come first). A100 80GB reports
+# e.g. "A100-SXM4-80GB"; the H100 SXM "H100 80GB HBM3".
+PEAK_GBS = ((("H100", "PCIe"), 2000.0), (("H100",), 3350.0), (("H200",), 4800.0),
+            (("A100", "80GB"), 2039.0), (("A100",), 1555.0), (("TPU v4",), 1200.0),
+            (("TPU v5 lite",), 819.0), (("TPU v5e",), 819.0), (("TPU v5p",), 2765.0),
+            (("TPU v5",), 2765.0), (("TPU v6 lite",), 1640.0), (("TPU v6e",), 1640.0))
 MA_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
              "alias_size_in_bytes", "generated_code_size_in_bytes")
 
@@ -367,6 +419,169 @@ def peak_tflops(kind: str, override: float | None) -> tuple[float | None, str]:
   return None, "unknown device kind (pass --peak-tflops)"
 
 
+def peak_gbs(kind: str, override: float | None) -> tuple[float | None, str]:
+  """Peak memory bandwidth (GB/s) of one device of `kind`, and where it came from."""
+  if override is not None:
+    return override, "--peak-gbs"
+  for names, gbs in PEAK_GBS:
+    if all(n.lower() in kind.lower() for n in names):
+      return gbs, f"PEAK_GBS[{' '.join(names)!r}]"
+  return None, "unknown device kind (pass --peak-gbs)"
+
+
+def decode_roofline(weight_params: int, weight_bytes: int, layers: int, kv_heads: int,
+                    head_dim: int, cache_bytes: int, rows: int, prompt_len: int, new_tokens: int,
+                    peak_gbs: float | None = None) -> dict:
+  """Bytes one decode step must read (module docstring): `weight_params` parameters of
+  `weight_bytes` each, once, plus the filled KV cache averaged over the decode steps
+  (layers x 2 x kv_heads x head_dim x `cache_bytes` x rows x (prompt_len + new_tokens / 2)); with
+  `peak_gbs` (GB/s, all devices together) the tokens/s that traffic allows, rows per step."""
+  per_slot = layers * 2 * kv_heads * head_dim * cache_bytes * rows  # one slot of every row
+  mean_new = new_tokens / 2 if new_tokens > 1 else 0.0  # decode step s attends Lp + s slots
+  weights = weight_params * weight_bytes
+  kv = per_slot * (prompt_len + mean_new)
+  per_step = weights + kv
+  out = {"weights_bytes": weights, "kv_bytes_mean": kv, "bytes_per_step": per_step,
+         "mean_filled_new_tokens": mean_new,
+         "kv_bytes_full_cache": per_slot * (prompt_len + new_tokens),
+         "peak_gbs_total": peak_gbs, "roofline_tokens_per_s": None}
+  if peak_gbs:
+    out["roofline_tokens_per_s"] = rows / (per_step / (peak_gbs * 1e9))
+  return out
+
+
+def rollout_shape(cfg, quick: bool) -> dict:
+  """Prompts, samples per prompt, prompt and new tokens of the rollout (`QUICK_ROLLOUT` shrinks
+  the quick one)."""
+  r = cfg.rollout
+  if quick:
+    return {"prompts": QUICK_ROLLOUT["prompts"], "group": min(QUICK_ROLLOUT["group"], r.group_size),
+            "prompt_len": r.max_prompt_len,
+            "new_tokens": min(QUICK_ROLLOUT["new_tokens"], r.max_new_tokens)}
+  return {"prompts": r.num_prompts, "group": r.group_size, "prompt_len": r.max_prompt_len,
+          "new_tokens": r.max_new_tokens}
+
+
+def hf_runner(rollout_cfg: ModelConfig, shape: dict, prompts, valid, threads: int):
+  """`sampler_throughput.HFRunner` on the rollout's shape (bf16 on CUDA when JAX runs on a GPU,
+  f32 on the CPU), or (None, why not)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  if here not in sys.path:
+    sys.path.insert(0, here)
+  # Imported here: it sets OMP_WAIT_POLICY before torch is imported, and only --hf needs it.
+  import sampler_throughput as st
+  reason = st.hf_unavailable_reason()
+  if reason:
+    return None, reason
+  device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+  dtype = "bfloat16" if device == "cuda" else "float32"
+  model = dataclasses.replace(rollout_cfg, param_dtype=dtype, dtype=dtype)
+  case = st.Case("recipe rollout", model, shape["prompts"], shape["group"], shape["prompt_len"],
+                 shape["new_tokens"], "qwen2" if model.qkv_bias else "llama")
+  return st.HFRunner(case, prompts, valid, threads, device), None
+
+
+def time_rollout(cfg, model_cfg: ModelConfig, mesh, args) -> dict:
+  """The recipe's sampler on random weights (module docstring): tokens/s, ms per decode step,
+  the roofline, and HF `generate` side by side with `--hf`."""
+  r = cfg.rollout
+  shape = rollout_shape(cfg, args.quick)
+  P, G, Lp, N = shape["prompts"], shape["group"], shape["prompt_len"], shape["new_tokens"]
+  rows = P * G
+  rcfg = rollout_model(cfg, model_cfg)
+  t0 = time.perf_counter()
+  graphdef, params = init_model(rcfg, cfg.seed)
+  params = shard_params(params, mesh)  # colocated: the trainer samples on the train mesh
+  jax.block_until_ready(params)
+  init_s = time.perf_counter() - t0
+  # eos_id outside the vocabulary is never drawn: every row decodes all N tokens.
+  gen = make_sampler(graphdef, num_samples=G, max_new_tokens=N, eos_id=rcfg.vocab_size, pad_id=0)
+  sample = rows_over(mesh, gen)
+  rng = np.random.default_rng(args.seed + 1)
+  prompts = rng.integers(2, rcfg.vocab_size, (P, Lp)).astype(np.int32)
+  valid = np.ones((P, Lp), bool)
+  request_ids = np.arange(rows, dtype=np.int32)
+  sampling = (float(r.temperature), int(r.get("top_k", 0)), float(r.get("top_p", 1.0)))
+  calls = [0]
+
+  def call():
+    calls[0] += 1
+    out = sample(params, prompts, valid, jax.random.key(calls[0]), request_ids, sampling[0],
+                 top_k=sampling[1], top_p=sampling[2])
+    return jax.block_until_ready(out)
+
+  def prefill():
+    jax.block_until_ready(gen.prefill(params, prompts, valid, mesh=mesh_of(params)))
+
+  hf, hf_reason = (None, "off (pass --hf)")
+  if args.hf:
+    hf, hf_reason = hf_runner(rcfg, shape, prompts, valid, args.torch_threads)
+  log(f"rollout: {rows} rows ({P} x {G}) of {Lp} + {N}, {rcfg.param_dtype} params, "
+      f"{rcfg.dtype} compute; init {init_s:.1f}s; HF: {hf_reason or 'on'}")
+  first_s = None
+  for i in range(args.rollout_warmup):
+    t0 = time.perf_counter()
+    out = call()
+    first_s = first_s or time.perf_counter() - t0
+    prefill()
+    if hf is not None:
+      hf()
+    log(f"rollout warm-up {i}: {time.perf_counter() - t0:.2f}s")
+  call_s, prefill_s, hf_s = [], [], []
+  for i in range(args.rollout_calls):  # jaxrl and HF alternate: both see the same load
+    t0 = time.perf_counter()
+    out = call()
+    call_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    prefill()
+    prefill_s.append(time.perf_counter() - t0)
+    if hf is not None:
+      t0 = time.perf_counter()
+      hf()
+      hf_s.append(time.perf_counter() - t0)
+    log(f"rollout call {i}: {call_s[-1] * 1e3:.1f} ms (prefill {prefill_s[-1] * 1e3:.1f} ms)"
+        + (f", HF {hf_s[-1] * 1e3:.1f} ms" if hf_s else ""))
+  if not bool(np.asarray(out.mask).all()):
+    raise RuntimeError("a row stopped early: its timing is not max_new_tokens tokens")
+
+  med, med_pre = statistics.median(call_s), statistics.median(prefill_s)
+  step_s = max(med - med_pre, 0.0) / (N - 1) if N > 1 else None
+  peak, peak_source = peak_gbs(jax.devices()[0].device_kind, args.peak_gbs)
+  roof = decode_roofline(flop_params(rcfg), jnp.dtype(rcfg.param_dtype).itemsize,
+                         rcfg.num_layers, rcfg.num_kv_heads, rcfg.head_dim,
+                         jnp.dtype(rcfg.dtype).itemsize, rows, Lp, N,
+                         None if peak is None else peak * mesh.size)
+  rt = roof["roofline_tokens_per_s"]
+  report = {
+      "rows": rows, "prompts": P, "group_size": G, "prompt_len": Lp, "new_tokens": N,
+      "param_dtype": rcfg.param_dtype, "dtype": rcfg.dtype, "rollout_dtype": r.dtype,
+      "sampling": dict(zip(("temperature", "top_k", "top_p"), sampling)),
+      "init_s": round(init_s, 2), "first_call_s": first_s and round(first_s, 3),
+      "call_s": [round(x, 5) for x in call_s], "prefill_s": [round(x, 5) for x in prefill_s],
+      "median_call_s": round(med, 5), "median_prefill_s": round(med_pre, 5),
+      "tokens_per_s": round(rows * N / med, 1),
+      "ms_per_decode_step": None if step_s is None else round(step_s * 1e3, 4),
+      "roofline": {**roof, "peak_gbs_per_device": peak, "peak_source": peak_source,
+                   "devices": mesh.size,
+                   "formula": "W bw + L 2 K Dh bc B (Lp + N/2) (module docstring)"},
+      "fraction_of_roofline": (None if rt is None or not step_s
+                               else round(rows / step_s / rt, 4)),
+      "call_fraction_of_roofline": None if rt is None else round(rows * N / med / rt, 4),
+      "hf": None, "hf_reason": hf_reason,
+  }
+  if hf is not None:
+    pair = [h / j for j, h in zip(call_s, hf_s)]
+    report["hf"] = {"class": type(hf.model).__name__, "device": hf.device,
+                    "dtype": str(next(hf.model.parameters()).dtype),
+                    "attn_implementation": hf.attn_impl, "init_s": round(hf.init_s, 2),
+                    "call_s": [round(x, 5) for x in hf_s],
+                    "median_call_s": round(statistics.median(hf_s), 5),
+                    "tokens_per_s": round(rows * N / statistics.median(hf_s), 1)}
+    report["ratio_jaxrl_over_hf"] = round(statistics.median(pair), 3)
+    report["ratio_per_pair"] = [round(x, 3) for x in pair]
+  return report
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--recipe", default="configs/qwen2_5_0_5b_gsm8k.py", help="a run config file")
@@ -387,7 +602,28 @@ def parse_args(argv=None):
   ap.add_argument("--padding-batches", type=int, default=16,
                   help="more batches of the distribution for the padding estimate")
   ap.add_argument("--quick", action="store_true", help="CPU smoke test (module docstring)")
+  ap.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=None,
+                  help="time the recipe's sampler too (default: on with --quick)")
+  ap.add_argument("--rollout-calls", type=int, default=None,
+                  help="timed sampler calls (default 3; --quick 2)")
+  ap.add_argument("--rollout-warmup", type=int, default=1,
+                  help="untimed sampler calls first (>= 1: the first compiles)")
+  ap.add_argument("--peak-gbs", type=float, default=None,
+                  help="peak memory GB/s of one device (default: PEAK_GBS by device kind)")
+  ap.add_argument("--hf", action="store_true",
+                  help="Hugging Face generate side by side (needs torch + transformers)")
+  ap.add_argument("--torch-threads", type=int, default=2, help="torch CPU threads for --hf")
   args = ap.parse_args(argv)
+  if args.rollout is None:
+    args.rollout = args.quick
+  if args.rollout_calls is None:
+    args.rollout_calls = 2 if args.quick else 3
+  if args.rollout_calls < 1 or args.rollout_warmup < 1:
+    ap.error("--rollout-calls >= 1 and --rollout-warmup >= 1")
+  if args.hf:
+    # Before JAX starts its backend: without preallocation JAX takes GPU memory as it needs it,
+    # leaving the rest to torch (JAX's default takes 75% up front).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if args.steps is None:
     args.steps = 3 if args.quick else 5
   if args.steps < 1 or args.warmup < 0:
@@ -487,7 +723,7 @@ def main(argv=None):
       "mfu": None if peak is None else round(achieved / (peak * 1e12 * mesh.size), 5),
       "trained_positions_per_s": round(flops["trained_positions"] / med, 1),
       "padding": pad,
-      "rollout": None,  # decode measurements: added by the rollout issue
+      "rollout": time_rollout(cfg, model_cfg, mesh, args) if args.rollout else None,
       "total_wall_s": round(time.perf_counter() - t_start, 1),
   }
   print(json.dumps(report, indent=2))
