@@ -45,6 +45,8 @@ REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "dense", "xla", "cudnn", "pallas_tpu")
 # jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
 ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "cudnn")
+# jaxrl.kernels.decode_attention: one query token per row against a KV cache.
+DECODE_ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)
 DTYPES = ("float32", "bfloat16", "float16")
