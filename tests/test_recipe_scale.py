@@ -68,17 +68,61 @@ def test_peak_table():
   assert rs.peak_tflops("cpu", 1.5)[0] == 1.5
 
 
+def test_decode_roofline_by_hand():
+  # W = 1,000 f32 params (4 bytes), L = 2, K = 2, Dh = 4, bf16 cache (2 bytes), B = 3 rows,
+  # Lp = 5, N = 6. Weights 4,000 bytes. One slot of every row: 2 x 2 (k, v) x 2 x 4 x 2 x 3 = 192
+  # bytes. Decode steps s = 1..5 attend 5 + s = 6, 7, 8, 9, 10 slots: mean 8 = Lp + N / 2, so the
+  # cache is 192 x 8 = 1,536 bytes a step; 5,536 in all. The full cache (11 slots): 2,112.
+  # At 0.001 GB/s (1e6 bytes/s) a step takes 5.536 ms: 3 rows / 5.536 ms = 541.9 tokens/s.
+  f = rs.decode_roofline(1000, 4, 2, 2, 4, 2, rows=3, prompt_len=5, new_tokens=6, peak_gbs=1e-3)
+  assert (f["weights_bytes"], f["kv_bytes_mean"], f["bytes_per_step"]) == (4000, 1536, 5536)
+  assert (f["mean_filled_new_tokens"], f["kv_bytes_full_cache"]) == (3, 2112)
+  assert f["roofline_tokens_per_s"] == pytest.approx(3 / 5.536e-3)
+  assert rs.decode_roofline(1000, 4, 2, 2, 4, 2, 3, 5, 6)["roofline_tokens_per_s"] is None
+
+
+def test_peak_bandwidth_table():
+  assert rs.peak_gbs("NVIDIA H100 80GB HBM3", None)[0] == 3350.0
+  assert rs.peak_gbs("NVIDIA H100 PCIe", None)[0] == 2000.0
+  assert rs.peak_gbs("NVIDIA H200", None)[0] == 4800.0
+  assert rs.peak_gbs("NVIDIA A100-SXM4-80GB", None)[0] == 2039.0
+  assert rs.peak_gbs("NVIDIA A100-SXM4-40GB", None)[0] == 1555.0
+  assert rs.peak_gbs("TPU v5 lite", None)[0] == 819.0
+  assert rs.peak_gbs("TPU v5p", None)[0] == 2765.0
+  assert rs.peak_gbs("cpu", None)[0] is None
+  assert rs.peak_gbs("NVIDIA H200", 4300.0) == (4300.0, "--peak-gbs")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--packing", "--no-packing"])
 def test_quick_run_json(flag):
   # One CPU device (the recipe's fsdp = -1 would otherwise take conftest's 8 simulated ones).
+  # The rollout runs in one of the two (it does not depend on packing), so the other stays short.
   env = {**os.environ, "PYTHONPATH": str(_ROOT), "XLA_FLAGS": ""}
+  rollout = flag == "--packing"
   out = subprocess.run([sys.executable, str(_PATH), "--quick", flag, "--steps", "1",
-                        "--warmup", "0", "--padding-batches", "2"],
+                        "--warmup", "0", "--padding-batches", "2",
+                        "--rollout" if rollout else "--no-rollout", "--rollout-calls", "1"],
                        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout)
-  assert r["benchmark"] == "recipe_scale" and r["rollout"] is None
+  assert r["benchmark"] == "recipe_scale"
+  if rollout:
+    ro = r["rollout"]
+    assert (ro["rows"], ro["prompt_len"], ro["new_tokens"]) == (4, 32, 8)
+    assert ro["tokens_per_s"] == pytest.approx(4 * 8 / ro["median_call_s"], rel=1e-3)
+    assert ro["ms_per_decode_step"] > 0 and ro["median_prefill_s"] < ro["median_call_s"]
+    roof = ro["roofline"]
+    # The recipe samples with the trainer's f32 weights and bf16 compute ("auto").
+    assert (ro["param_dtype"], ro["dtype"]) == ("float32", "bfloat16")
+    assert roof["weights_bytes"] == 4 * rs.flop_params(rs.ModelConfig(**{
+        **rs.ARCHITECTURES["qwen2.5-0.5b"], "num_layers": 2, "vocab_size": 4096}))
+    # 2 layers x 2 x 2 kv heads x 64 x 2 bytes x 4 rows x (32 + 8 / 2)
+    assert roof["kv_bytes_mean"] == 2 * 2 * 2 * 64 * 2 * 4 * 36
+    assert roof["roofline_tokens_per_s"] is None and ro["fraction_of_roofline"] is None
+    assert ro["hf"] is None and "--hf" in ro["hf_reason"]
+  else:
+    assert r["rollout"] is None
   assert flag in r["command"] and r["versions"]["jax"] and r["device"]["backend"] == "cpu"
   assert r["device"]["peak_bf16_tflops"] is None and r["mfu"] is None
   assert r["model"]["num_layers"] == 2 and r["model"]["d_model"] == 896
