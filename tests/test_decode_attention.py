@@ -195,3 +195,29 @@ def test_pallas_gpu_lowers_to_triton(dtype):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
   )(*_structs(dtype, *_LOWER_SHAPE)).mlir_module()
   assert 'name = "decode_attention_gpu"' in text
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_under_vmap_over_slots(impl):
+  # The engine decodes each slot under `vmap` (one row, its own cache index): each call sees
+  # B = 1 and a batched length. The result is the batched call's.
+  q, k_t, v, valid, lengths = make_inputs()
+  one = lambda q, k, v, ok, n: da.decode_attention(q[None], k[None], v[None], ok[None], n[None],
+                                                   implementation=impl, block_k=BLOCK)[0]
+  out = jax.vmap(one)(q, k_t, v, valid, lengths)
+  ref = da.decode_attention(q, k_t, v, valid, lengths, implementation="reference")
+  assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("impl,platform,marker", [
+    ("pallas_tpu", "tpu", "@tpu_custom_call"), ("pallas_gpu", "cuda", "decode_attention_gpu")])
+def test_pallas_lowers_under_vmap_over_slots(impl, platform, marker):
+  # The engine's per-slot `vmap` batches the kernel (its batching rule adds a grid axis, the
+  # scalar-prefetched lengths included); that program must still lower for the accelerator.
+  one = lambda q, k, v, ok, n: da.decode_attention(q[None], k[None], v[None], ok[None], n[None],
+                                                   implementation=impl, interpret=False)[0]
+  text = jax.export.export(
+      jax.jit(jax.vmap(one)), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*_structs(jnp.bfloat16, *_LOWER_SHAPE)).mlir_module()
+  assert marker in text
