@@ -1,10 +1,12 @@
 """A recipe's train step at its real model shape: step time, model FLOPs, MFU, compiled memory and
-padding, on random weights and a GSM8K-like batch.
+padding, on random weights and a GSM8K-like batch; with `--rollout`, its sampler's decode speed
+against the memory roofline.
 
 Prints ONE JSON object on stdout (progress goes to stderr).
 
   PYTHONPATH=. python benchmarks/recipe_scale.py --recipe configs/qwen2_5_0_5b_gsm8k.py --steps 5
   PYTHONPATH=. python benchmarks/recipe_scale.py --recipe configs/llama3_2_1b_gsm8k.py --packing
+  PYTHONPATH=. python benchmarks/recipe_scale.py --rollout --hf   # + the sampler, HF generate
   PYTHONPATH=. python benchmarks/recipe_scale.py --quick            # CPU smoke test, < 2 min
 
 The model. The recipe's `model.hf_path` checkpoint is not read (it need not exist): the
@@ -88,7 +90,8 @@ no communication):
 `roofline_tokens_per_s` = B / (bytes per step / peak bandwidth) and `fraction_of_roofline` =
 (B / decode step time) / that. The peak bandwidth comes from `PEAK_GBS` by `device_kind` (HBM
 spec sheets; the H200 is 4,800 GB/s there, where the issue's ~4.3 TB/s is what it achieves: pass
-`--peak-gbs 4300` for that), or `--peak-gbs`; null on CPU, and the mesh's devices add up. The
+`--peak-gbs 4300` for that), or `--peak-gbs`, times the train mesh's devices (a memory-only
+bound: on several devices the weights' all-gathers are not counted); null on CPU. The
 static sampler attends over all Lp + N slots of its cache at every step (masked), so it reads
 `kv_bytes_full_cache` a step, more than the filled part the roofline counts.
 
