@@ -125,8 +125,14 @@ from jaxrl.config.loader import load_recipe
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner import packing
 from jaxrl.learner.rl import rl_step_config
-from jaxrl.learner.step import (build_train_step, check_batch, make_optimizer, shard_params,
-                                shared_group, to_rows)
+from jaxrl.learner.step import (
+  build_train_step,
+  check_batch,
+  make_optimizer,
+  shard_params,
+  shared_group,
+  to_rows,
+)
 from jaxrl.models.hf_checkpoint import config_from_hf
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import abstract_model, init_model
