@@ -206,6 +206,11 @@ def test_backend_only_attention_is_refused_elsewhere():
   cases = [("cudnn", "cpu", "bfloat16", "runs on a CUDA GPU"),
            ("cudnn", "gpu", "float32", "computes in bfloat16 or float16"),
            ("pallas_tpu", "gpu", "float32", "the TPU kernel")]
+  for impl, backend in (("pallas_tpu", "gpu"), ("pallas_gpu", "tpu")):
+    cfg = get_config()
+    cfg.model.decode_attention = impl
+    with pytest.raises(ConfigError, match="model.decode_attention"):
+      validate(cfg, 1, backend=backend)
   for impl, backend, dtype, words in cases:
     cfg = get_config()
     cfg.model.attention, cfg.model.dtype = impl, dtype

@@ -20,6 +20,7 @@ from ml_collections import ConfigDict
 
 from jaxrl.core.errors import UserError
 from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, ATTENTION_IMPLS, CORRECTION_BAND_KEYS,
+                              DECODE_ATTENTION_IMPLS,
                               CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
                               LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
                               REWARD_FIELDS)
@@ -156,6 +157,7 @@ RULES: list[tuple[str, Rule]] = [
     ("model.dtype", _one_of(DTYPES)),
     ("model.remat", _one_of(set(REMAT_POLICIES))),
     ("model.attention", _one_of(ATTENTION_IMPLS)),
+    ("model.decode_attention", _one_of(DECODE_ATTENTION_IMPLS)),
     ("model.init_std", _gt(0)),
     ("model.lora.rank", _ge(0)),
     ("model.lora.alpha", _gt(0)),

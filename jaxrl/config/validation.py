@@ -204,6 +204,11 @@ def _check_attention(good: dict[str, Any], backend: str, problems: list[str]) ->
   if impl == "pallas_tpu" and backend == "gpu":
     problems.append(f"{PREFIX}model.attention: pallas_tpu is the TPU kernel (interpreted on CPU "
                     "for tests); on a GPU use cudnn or xla")
+  decode = good.get("model.decode_attention")
+  other = {"pallas_tpu": "gpu", "pallas_gpu": "tpu"}.get(decode)
+  if other and backend == other:
+    problems.append(f"{PREFIX}model.decode_attention: {decode} is not a {other.upper()} kernel "
+                    "(interpreted on CPU for tests); use auto or xla")
 
 
 def _check_packing(good: dict[str, Any], problems: list[str]) -> None:

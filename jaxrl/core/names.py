@@ -43,6 +43,8 @@ REMAT_POLICIES = ("none", "full", "dots")
 # jaxrl.models.model_config: the attention of a forward pass without a KV cache
 # (`model.attention`); "auto" picks one per backend when the forward is traced.
 ATTENTION_IMPLS = ("auto", "dense", "xla", "cudnn", "pallas_tpu")
+# `model.decode_attention`: single-token decode over the KV cache (`jaxrl.kernels.decode_attention`).
+DECODE_ATTENTION_IMPLS = ("auto", "dense", "xla", "pallas_tpu", "pallas_gpu")
 # jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
 ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "cudnn")
 # jaxrl.kernels.decode_attention: one query token per row against a KV cache.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.kernels.attention import attention as kernel_attention
 from jaxrl.models.model_config import ROPE_SCALINGS, ModelConfig
 
 # Large finite negative instead of -inf: a fully masked row (a left-pad query) then softmaxes to
@@ -211,6 +213,19 @@ def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array
   s = jnp.where(mask, s, MASK_VALUE)
   w = jax.nn.softmax(s, axis=-1).astype(dtype)
   return jnp.einsum("bkgs,bksd->bkgd", w[:, :, :, 0], v).astype(dtype)
+
+
+# `model.attention` names whose `jaxrl.kernels.attention` implementation is named otherwise.
+KERNEL_OF = {"dense": "reference"}
+
+
+def kernel_attend(seg: jax.Array, pos: jax.Array, shared: jax.Array | None,
+                  implementation: str = "xla") -> Callable:
+  """`attend(q, k, v)` over a `jaxrl.kernels.attention` implementation (default "xla":
+  blockwise, memory linear in the sequence), with each token's segment and position [B, T]
+  (keys are the queries' own tokens) and the shared flags of a group's prompt (or None)."""
+  return lambda q, k, v: kernel_attention(q, k, v, seg, pos, seg, pos, shared,
+                                          implementation=implementation)
 
 
 # The projections behind each weight name of a layer (fused ones: their parts in order), and

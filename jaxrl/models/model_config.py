@@ -64,6 +64,20 @@ def resolve_attention(choice: str, backend: str | None = None, length: int | Non
   return "dense" if backend == "cpu" and short else "xla"
 
 
+def resolve_decode_attention(choice: str, backend: str | None = None) -> str:
+  """The single-token decode attention for `ModelConfig.decode_attention` `choice` on `backend`
+  (None: JAX's default, read when the decode step is traced): "dense" (`layers.decode_attention`:
+  every cache slot, f32 keys) or a `jaxrl.kernels.decode_attention` implementation (filled slots
+  only, in the cache's dtype). "auto" is "dense" on CPU, where the default run was measured with
+  it, and "xla" elsewhere. No GPU or TPU has run any of them yet."""
+  if choice not in names.DECODE_ATTENTION_IMPLS:
+    raise ValueError(f"decode_attention={choice!r} is not one of {names.DECODE_ATTENTION_IMPLS}")
+  if choice != "auto":
+    return choice
+  backend = jax.default_backend() if backend is None else backend
+  return "dense" if backend == "cpu" else "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture; fields are enough to describe real Llama/Qwen checkpoints."""
@@ -106,6 +120,10 @@ class ModelConfig:
   # `packed_forward`): "dense" (a dense mask), "xla" (`jaxrl.kernels.attention`, blockwise,
   # memory linear in the sequence), "cudnn", "pallas_tpu" or "auto" (`resolve_attention`).
   attention: str = "auto"
+  # Single-token decode's attention over the KV cache (`resolve_decode_attention`): "dense",
+  # "xla" (only the filled slots, up to the longest row, in the cache's dtype), "pallas_tpu",
+  # "pallas_gpu" or "auto".
+  decode_attention: str = "auto"
   # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
   # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`
   # (`names.LORA_TARGETS`), whose product scaled by `lora_alpha / lora_rank` is added to that
@@ -121,6 +139,7 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
     resolve_attention(self.attention, "cpu")  # raises on an unknown name
+    resolve_decode_attention(self.decode_attention, "cpu")
     unknown = set(self.lora_targets) - set(names.LORA_TARGETS)
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "

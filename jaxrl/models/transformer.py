@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.kernels.attention import attention as kernel_attention
-from jaxrl.models.layers import (apply_rope, attention, config_inv_freq, decode_attention,
-                                 embed_lookup, lora_dense, lora_dims, matmul_rows, rms_norm,
-                                 rope_tables, stacked_lora, streamed_matmul)
+from jaxrl.kernels.decode_attention import decode_attention as decode_kernel
+from jaxrl.models.layers import (KERNEL_OF, apply_rope, attention, config_inv_freq,
+                                 decode_attention, embed_lookup, kernel_attend, lora_dense,
+                                 lora_dims, matmul_rows, rms_norm, rope_tables, stacked_lora,
+                                 streamed_matmul)
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
-                                       resolve_attention)
+                                       resolve_attention, resolve_decode_attention)
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 
@@ -161,10 +162,13 @@ class Transformer(nnx.Module):
       # cache (prefill, decode: the sampler's path) attention stays dense for now.
       seg = jnp.where(valid, 0, -1)
       slot = jnp.broadcast_to(jnp.arange(T), (B, T))
-      attend = _kernel_attend(seg, slot, None, impl)
+      attend = kernel_attend(seg, slot, None, impl)
     adapters = self.lora_weights()
     dropout = cfg.lora_dropout if lora_dropout_key is not None else 0.0
-    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key)
+    # Single-token decode reads slots up to its own (the mask's causal bound) and no further.
+    filled = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + T, (B,)) \
+        if cache is not None and T == 1 else None
+    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled)
 
     # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
     # prefill never take gradients, and their programs stay exactly as they are.
@@ -295,7 +299,7 @@ class Transformer(nnx.Module):
       seg_c = jnp.where(valid, jnp.tile(jnp.arange(1, group + 1), n)[:, None], -1)
       seg = pack(jnp.where(prompt_valid, 0, -1), seg_c)
       shared = pack(prompt_valid, jnp.zeros_like(valid))
-      attend = _kernel_attend(seg, packed_positions, shared, impl)
+      attend = kernel_attend(seg, packed_positions, shared, impl)
     else:
       attend = self._grouped_dense_attend(prompt_valid, valid)
     hidden, _ = self(pack(prompts, tokens), packed_positions, pack(prompt_valid, valid),
@@ -310,7 +314,7 @@ class Transformer(nnx.Module):
     attention is `cfg.attention`'s for rows of T positions, "dense" as the kernels' masked
     `reference`."""
     impl = resolve_attention(self.cfg.attention, length=tokens.shape[1])
-    attend = _kernel_attend(segment, positions, shared, _KERNEL_OF.get(impl, impl))
+    attend = kernel_attend(segment, positions, shared, KERNEL_OF.get(impl, impl))
     hidden, _ = self(tokens, positions, segment >= 0, lora_dropout_key=lora_dropout_key,
                      attend=attend)
     return hidden
@@ -371,6 +375,7 @@ class _Pass(NamedTuple):
   attend: Callable | None  # replaces the attention over the tokens (`Transformer.__call__`)
   dropout: float  # LoRA dropout rate, 0 unless a dropout key was given
   dropout_key: jax.Array | None
+  filled: jax.Array | None = None  # [B] int: decode's slots in use (`cache_index + 1`)
 
 
 def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Array | int
@@ -390,19 +395,6 @@ def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Ar
   causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
   mask = causal[None, None, None] & key_valid[:, None, None, None, :]  # [B, 1, 1, T, S]
   return key_valid, mask
-
-
-# `model.attention` names whose `jaxrl.kernels.attention` implementation is named otherwise.
-_KERNEL_OF = {"dense": "reference"}
-
-
-def _kernel_attend(seg: jax.Array, pos: jax.Array, shared: jax.Array | None,
-                   implementation: str = "xla") -> Callable:
-  """`attend(q, k, v)` over a `jaxrl.kernels.attention` implementation (default "xla":
-  blockwise, memory linear in the sequence), with each token's segment and position [B, T]
-  (keys are the queries' own tokens) and the shared flags of a group's prompt (or None)."""
-  return lambda q, k, v: kernel_attention(q, k, v, seg, pos, seg, pos, shared,
-                                          implementation=implementation)
 
 
 def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:
@@ -461,7 +453,12 @@ def _cache_attention(run: _Pass, q, k, v, kv):
   k_all, v_all = kv(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,Dh,S], [B,K,S,Dh]
   qg = q.reshape(B, T, K, G, cfg.head_dim)
   if T == 1:
-    o = decode_attention(qg[:, 0], k_all, v_all, run.mask, scale, dt)
+    impl = resolve_decode_attention(cfg.decode_attention)
+    if impl == "dense":
+      o = decode_attention(qg[:, 0], k_all, v_all, run.mask, scale, dt)
+    else:  # the mask's [B, S] row (valid and causal) with the fill bound for skipping blocks
+      o = decode_kernel(qg[:, 0], k_all, v_all, run.mask[:, 0, 0, 0, :], run.filled,
+                        scale=scale, implementation=impl, out_dtype=dt)
     return o.reshape(B, 1, cfg.num_heads, cfg.head_dim)
   o = attention(qg.transpose(0, 2, 3, 1, 4), k_all.astype(dt), v_all.astype(dt), run.mask, scale)
   return o.transpose(0, 3, 1, 2, 4).reshape(B, T, cfg.num_heads, cfg.head_dim)

@@ -94,6 +94,10 @@ def get_config() -> ConfigDict:
   # "dense" | "xla" (blockwise, memory linear in the row) | "cudnn" (CUDA GPU, bf16/f16) |
   # "pallas_tpu" (the Pallas TPU kernel). Packed rows (segments, shared prompts) take any.
   c.model.attention = "auto"
+  # Single-token decode's attention over the KV cache: "auto" (CPU: dense, else xla) | "dense"
+  # (every slot, f32 keys) | "xla" (filled slots only, in the cache's dtype) | "pallas_tpu" |
+  # "pallas_gpu" (Pallas kernels; no TPU or GPU has run them yet).
+  c.model.decode_attention = "auto"
   # LoRA for the RL phase (rank 0: off, every parameter trains). With a rank, RL trains only
   # low-rank adapters (Flax NNX `nnx.LoRA`, f32) on the `targets` projections of every layer;
   # the base stays frozen, the optimizer holds state for the adapters alone, and a published

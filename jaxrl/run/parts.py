@@ -246,7 +246,8 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
     except hf_lib.HFCheckpointError as e:  # a missing shard or tensor, a wrong shape
       raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat,
-                                    attention=cfg.model.attention)
+                                    attention=cfg.model.attention,
+                                    decode_attention=cfg.model.get("decode_attention", "auto"))
     graphdef, _ = abstract_model(model_cfg)
   else:
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
