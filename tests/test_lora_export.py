@@ -442,7 +442,7 @@ def test_lora_recipe_run_exports_adapter_and_merged_model(tmp_path, capsys):
       "--config.task.val_path=", f"--config.run_dir={run_dir}", "--config.model.dtype=float32",
       "--config.model.lora.rank=4", "--config.model.lora.learning_rate=1e-2",
       "--config.rollout.num_prompts=2", "--config.rollout.group_size=4",
-      "--config.rollout.max_new_tokens=12", "--config.train.num_microbatches=1",
+      "--config.rollout.max_new_tokens=12", "--config.train.microbatch_tokens=512",
       "--config.train.steps=3", "--config.train.warmup_steps=0", "--config.val.every=3",
       "--config.val.at_start=false", "--config.val.batch_size=8", "--config.checkpoint.every=3",
       "--config.checkpoint.async_save=false",
