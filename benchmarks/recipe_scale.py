@@ -272,21 +272,8 @@ def padding(p_lens, c_lens, group: int, prompt_len: int, new_tokens: int, budget
           "unpacked_shared_prompts": 1 - real_shared / (len(p_lens) * prompt_len
                                                         + rows * new_tokens),
           "packed": packing.padding_fraction(units, budget),
-          "packed_rows_used": len(pack_bins(units, budget)),
+          "packed_rows_used": len(packing.first_fit_fills(units, budget)),
           "packing_units": len(units)}
-
-
-def pack_bins(units, budget: int) -> list[int]:
-  """First fit decreasing, as `packing.padding_fraction` places units: the fill of each row."""
-  fills: list[int] = []
-  for n in sorted(units, reverse=True):
-    for i, f in enumerate(fills):
-      if f + n <= budget:
-        fills[i] += n
-        break
-    else:
-      fills.append(n)
-  return fills
 
 
 def train_mesh(cfg):

@@ -193,10 +193,9 @@ def packed_logprobs(model, packed: PackedBatch, k: jax.Array, shards: int, batch
   return to_rows(out.logp, first.logp), entropy
 
 
-def padding_fraction(lengths, budget: int) -> float:
-  """Host-side: the fraction of positions that are padding when sequences of `lengths`
-  positions are packed by first fit decreasing into rows of `budget` (each length at most
-  `budget`). Padding to the longest instead costs `1 - mean / max`."""
+def first_fit_fills(lengths, budget: int) -> list[int]:
+  """Host-side first fit decreasing of sequences of `lengths` positions into rows of `budget`
+  (each length at most `budget`): the fill of each row used, as `pack` places units."""
   fills: list[int] = []
   for n in sorted((int(x) for x in lengths), reverse=True):
     for i, f in enumerate(fills):
@@ -205,4 +204,12 @@ def padding_fraction(lengths, budget: int) -> float:
         break
     else:
       fills.append(n)
+  return fills
+
+
+def padding_fraction(lengths, budget: int) -> float:
+  """Host-side: the fraction of positions that are padding when sequences of `lengths`
+  positions are packed by first fit decreasing into rows of `budget` (`first_fit_fills`).
+  Padding to the longest instead costs `1 - mean / max`."""
+  fills = first_fit_fills(lengths, budget)
   return 1.0 - sum(fills) / (len(fills) * budget) if fills else 0.0
