@@ -2,6 +2,10 @@
 
 import os
 
+# The CPU platform, so an install with a GPU or TPU plugin still sees the 8 CPU devices below
+# (JAX_PLATFORMS=cuda, say, set by the caller, runs the suite on that backend instead).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
