@@ -74,20 +74,20 @@ def get_config() -> ConfigDict:
   # of the shape below with the task's character tokenizer.
   c.model.hf_path = ""
   c.model.vocab_size = 0  # 0: taken from the task's tokenizer
-  c.model.d_model = 64
-  c.model.num_layers = 2
-  c.model.num_heads = 4
+  c.model.d_model = 64  # residual stream width
+  c.model.num_layers = 2  # decoder layers
+  c.model.num_heads = 4  # query heads per layer
   c.model.num_kv_heads = 2  # grouped-query attention: heads share kv heads in groups
-  c.model.head_dim = 16
+  c.model.head_dim = 16  # width of one attention head (even: RoPE rotates pairs)
   c.model.mlp_dim = 192  # SwiGLU hidden width
-  c.model.rope_theta = 10000.0
-  c.model.rms_eps = 1e-6
+  c.model.rope_theta = 10000.0  # RoPE base frequency
+  c.model.rms_eps = 1e-6  # RMSNorm's epsilon
   c.model.qkv_bias = False  # Qwen2 style
   c.model.qk_norm = False  # Qwen3 style
-  c.model.tie_embeddings = False
-  c.model.param_dtype = "float32"
+  c.model.tie_embeddings = False  # the output projection reuses the input embedding
+  c.model.param_dtype = "float32"  # dtype the parameters are stored and updated in
   c.model.dtype = "float32"  # compute dtype; logprobs are always float32
-  c.model.init_std = 0.02
+  c.model.init_std = 0.02  # std of a fresh model's normal initialisation
   c.model.scan_layers = False  # unrolled: faster for 2 layers on CPU; scan for deep models
   c.model.remat = "none"  # recompute each layer in the backward pass: "none" | "full" | "dots"
   # Training/scoring attention: "auto" (CPU: dense up to 1,024-position rows, else xla) |
@@ -104,7 +104,7 @@ def get_config() -> ConfigDict:
   # version moves adapter bytes only. The supervised warm-up (when on) trains the full model:
   # it stands in for the pre-trained checkpoint the adapters start from.
   c.model.lora = ConfigDict()
-  c.model.lora.rank = 0
+  c.model.lora.rank = 0  # adapter rank r; 0 = LoRA off (see above)
   c.model.lora.alpha = 32.0  # the adapter's output is scaled by alpha / rank (PEFT's scaling)
   c.model.lora.dropout = 0.0  # dropout on the adapter's input, in training only
   c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated; any of these seven
@@ -152,9 +152,9 @@ def get_config() -> ConfigDict:
   c.data.max_skipped_frac = 0.1
 
   c.sft = ConfigDict()
-  c.sft.enabled = True
-  c.sft.learning_rate = 1e-3
-  c.sft.batch_size = 128
+  c.sft.enabled = True  # run the supervised warm-up before RL
+  c.sft.learning_rate = 1e-3  # the warm-up's AdamW learning rate
+  c.sft.batch_size = 128  # demonstrations per warm-up step
   c.sft.stop_accuracy = 0.3  # stop warm-up at the first dev greedy accuracy >= this
   c.sft.eval_every = 5  # fine enough that every machine stops near the same accuracy
   c.sft.max_steps = 1500  # hard cap; the run says so if it stopped on the cap
@@ -203,23 +203,23 @@ def get_config() -> ConfigDict:
   # the batch at P groups. Lag 0: whole extra generation batches fill a pending cache; lag > 0:
   # dropped groups are re-sampled into their own slot of the ring.
   c.dynamic_sampling = ConfigDict()
-  c.dynamic_sampling.enabled = False
+  c.dynamic_sampling.enabled = False  # drop groups with no reward spread (see above)
   c.dynamic_sampling.tol = 0.0  # drop a group when max(r) - min(r) <= tol over its live rows
   c.dynamic_sampling.max_gen_batches = 10  # K: generation attempts per batch; the K-th failure raises
   c.dynamic_sampling.reward_field = "reward"  # the per-row reward it reads: the raw task reward
 
   c.train = ConfigDict()
   c.train.steps = 600  # RL steps
-  c.train.learning_rate = 6e-4
+  c.train.learning_rate = 6e-4  # peak AdamW learning rate of the RL phase
   c.train.warmup_steps = 50  # linear lr ramp: a fresh Adam's first full-rate steps undo warm-up
   # After the ramp: "constant", or "cosine" / "linear" decay to final_lr_frac x the rate at the
   # last RL step (train.steps).
   c.train.lr_schedule = "linear"
-  c.train.final_lr_frac = 0.0
-  c.train.b1 = 0.9
-  c.train.b2 = 0.98
+  c.train.final_lr_frac = 0.0  # the decay's end, as a fraction of the peak
+  c.train.b1 = 0.9  # AdamW's beta1
+  c.train.b2 = 0.98  # AdamW's beta2
   c.train.adam_eps = 1e-8  # AdamW's epsilon (also the warm-up's)
-  c.train.weight_decay = 0.0
+  c.train.weight_decay = 0.0  # AdamW's decoupled weight decay
   c.train.grad_clip = 1.0  # global-norm clip
   # Gradient accumulation: the step sums the gradients of this many micro-batches (the gradient is
   # the whole batch's either way). 0 = auto: the fewest that keep each device's micro-batch within
@@ -227,7 +227,7 @@ def get_config() -> ConfigDict:
   # groups x (max_prompt_len + G x completion budget)); here 128 groups of 6 + 8 x 4 tokens -> 4
   # micro-batches, faster on CPU than one large pass (jaxrl.config.resolve_microbatches).
   c.train.num_microbatches = 0
-  c.train.microbatch_tokens = 2048
+  c.train.microbatch_tokens = 2048  # per-device token budget of one micro-batch (see above)
   # Run each group's prompt once in the train step: its G completions attend to one copy of the
   # prompt's keys and values (the same function, ~2x less dense work for the default's 6-token
   # prompts and 4-token completions). Auto micro-batching then counts a group as
@@ -256,7 +256,7 @@ def get_config() -> ConfigDict:
   c.loss = ConfigDict()
   c.loss.policy = "ppo"  # ppo | gspo | cispo | sapo | reinforce (jaxrl.losses.policy)
   c.loss.eps_low = 0.2  # ratio clip range [1 - eps_low, 1 + eps_high]
-  c.loss.eps_high = 0.2
+  c.loss.eps_high = 0.2  # upper clip: the ratio is clipped at 1 + eps_high
   # The PPO ratio's denominator: "trainer" (the trainer's recompute before the update),
   # "rollout" (the sampler's log-probs: the ratio and its clip then span the lag), or "auto"
   # (rollout when rollout.lag > 0, else trainer).
@@ -265,42 +265,43 @@ def get_config() -> ConfigDict:
   # SAPO's soft gate (4 / tau) sigmoid(tau (r - 1)) replaces the clip: tau where A > 0 and where
   # A <= 0 (the paper's defaults; a larger tau narrows the trust region).
   c.loss.sapo_tau_pos = 1.0
-  c.loss.sapo_tau_neg = 1.05
-  c.loss.reduction = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum |
-  #   seq_mean_token_sum_norm (jaxrl.losses.reductions)
+  c.loss.sapo_tau_neg = 1.05  # SAPO's tau where A <= 0 (see above)
+  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+  # (jaxrl.losses.reductions)
+  c.loss.reduction = "token_mean"
   c.loss.norm_len = 0  # seq_mean_token_sum_norm's constant; 0 = rollout.max_new_tokens
   c.loss.entropy_coef = 0.0  # entropy bonus (subtracted from the loss)
   # Off-policy corrections against the sampler's log-probs, "+"-joined and applied in order:
   # token_tis | seq_tis | icepop | seq_mask_tis | geo_mask | product_mask | outlier_mask |
   # dppo_tv (jaxrl.losses.corrections); "none" = off.
   c.loss.correction = "none"
-  c.loss.token_tis_cap = 2.0
-  c.loss.seq_tis_cap = 5.0
-  c.loss.icepop_low = 0.5
-  c.loss.icepop_high = 2.0
-  c.loss.seq_mask_low = 0.5
-  c.loss.seq_mask_high = 2.0
-  c.loss.geo_mask_low = 0.99
-  c.loss.geo_mask_high = 1.01
-  c.loss.product_mask_low = 0.5
-  c.loss.product_mask_high = 2.0
-  c.loss.outlier_low = 1e-4
-  c.loss.outlier_high = 100.0
-  c.loss.dppo_delta_low = 0.2
-  c.loss.dppo_delta_high = 0.2
+  c.loss.token_tis_cap = 2.0  # token_tis: truncation of the token ratio
+  c.loss.seq_tis_cap = 5.0  # seq_tis: truncation of the sequence ratio
+  c.loss.icepop_low = 0.5  # icepop: lowest token ratio kept
+  c.loss.icepop_high = 2.0  # icepop: highest token ratio kept
+  c.loss.seq_mask_low = 0.5  # seq_mask_tis: lowest geometric-mean sequence ratio kept
+  c.loss.seq_mask_high = 2.0  # seq_mask_tis: highest geometric-mean sequence ratio kept
+  c.loss.geo_mask_low = 0.99  # geo_mask: lowest geometric-mean sequence ratio kept
+  c.loss.geo_mask_high = 1.01  # geo_mask: highest geometric-mean sequence ratio kept
+  c.loss.product_mask_low = 0.5  # product_mask: lowest sequence ratio (product) kept
+  c.loss.product_mask_high = 2.0  # product_mask: highest sequence ratio (product) kept
+  c.loss.outlier_low = 1e-4  # outlier_mask: a token ratio below this masks its row
+  c.loss.outlier_high = 100.0  # outlier_mask: a token ratio above this masks its row
+  c.loss.dppo_delta_low = 0.2  # dppo_tv: allowed probability drop where A <= 0
+  c.loss.dppo_delta_high = 0.2  # dppo_tv: allowed probability rise where A > 0
   # Drop rows whose mean exp(|lp_gen - lp_old|) exceeds this from the loss; 0 = off (e.g. 1.5).
   c.loss.seq_logprob_error_threshold = 0.0
   c.loss.logprob_impl = "auto"  # fused log-prob kernel: auto | reference | xla | pallas
 
   c.rollout_kl = ConfigDict()  # KL to the sampler's log-probs on every trained token
-  c.rollout_kl.coef = 0.0
+  c.rollout_kl.coef = 0.0  # weight of this KL term in the loss; 0 = off
   c.rollout_kl.estimator = "k2"  # k1 | k2 | k3 | abs (jaxrl.losses.kl)
   # token_mean | seq_mean | policy (= loss.reduction, e.g. Dr. GRPO's constant normaliser)
   c.rollout_kl.reduction = "token_mean"
 
   c.ref_kl = ConfigDict()  # KL to a frozen copy of the starting policy (built only if coef != 0)
-  c.ref_kl.coef = 0.0
-  c.ref_kl.estimator = "k3"
+  c.ref_kl.coef = 0.0  # weight of this KL term in the loss; 0 = off (no reference copy)
+  c.ref_kl.estimator = "k3"  # k1 | k2 | k3 | abs (jaxrl.losses.kl)
   c.ref_kl.reduction = "token_mean"  # token_mean | seq_mean | policy (as rollout_kl.reduction)
   # Multiply the per-token KL by the policy ratio pi / pi_old (the loss's ratio, with gradient):
   # unbiased when samples are off policy (TRL's use_bias_correction_kl).
@@ -313,7 +314,7 @@ def get_config() -> ConfigDict:
   # "" = off; a jaxrl run directory (its newest checkpoint's policy, its config.json's model) or
   # a Hugging Face model directory (config.json + safetensors).
   c.distill.teacher = ""
-  c.distill.coef = 1.0
+  c.distill.coef = 1.0  # weight of the teacher's term coef (log p_teacher - log p_sampler)
   c.distill.reward_weight = 0.0  # 0 = distillation alone; > 0 mixes in the task reward
 
   # Validation on the held-out `val` split, through the same multi-turn loop as training.
@@ -348,8 +349,8 @@ def get_config() -> ConfigDict:
   # explicit keys below. Used only with num_processes = 1 and coordinator_address = "".
   c.distributed.auto = True
   c.distributed.coordinator_address = ""  # "host:port" of process 0; "" = a single process
-  c.distributed.num_processes = 1
-  c.distributed.process_id = 0
+  c.distributed.num_processes = 1  # processes of the run; 1 = this one (or what auto finds)
+  c.distributed.process_id = 0  # this process's index, 0 .. num_processes - 1
   c.distributed.init_timeout_s = 300  # give up joining after this long
   # A process silent this long (killed, crashed, hung, cut off) ends every process with a message
   # naming it (exit 1); rerunning the same command on every process resumes from the last
@@ -362,8 +363,8 @@ def get_config() -> ConfigDict:
   # the devices (< 1), and the axes above then describe the train devices.
   c.mesh = ConfigDict()
   c.mesh.data = 1  # -1 on one axis: use all remaining (train) devices
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.fsdp = 1  # devices the params and optimizer state are sharded over
+  c.mesh.tensor = 1  # devices each layer's matmuls are split over (tensor parallel)
   c.mesh.rollout = 0.0  # devices for rollout generation; 0 = colocated on the train mesh
   c.mesh.train = 0.0  # with mesh.rollout: devices for training; 0 = all the others
   # The rollout mesh is (rollout / rollout_tensor, 1, rollout_tensor); colocated on several
