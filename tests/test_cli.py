@@ -20,7 +20,8 @@ def _train(args, cwd, env_extra=None, timeout=300):
 def _assert_failed_before_compiling(proc, *keys):
   out = proc.stdout + proc.stderr
   assert proc.returncode != 0, out
-  assert "invalid config" in out, out
+  # One problem is one line `jaxrl: config.<key>: ...`; several follow a header.
+  assert "jaxrl: invalid config\n" in out or "jaxrl: config." in out, out
   for k in keys:
     assert k in out, f"{k} not named in:\n{out}"
   # JAX_LOG_COMPILES=1 logs every compilation; validation must come before any.

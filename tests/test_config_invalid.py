@@ -129,7 +129,15 @@ CASES = [
      ["val.batch_size"], "config.mesh.data * config.mesh.fsdp = 8"),
     ("val_never_waits", ["--config.val.max_wait_s=0"], ["val.max_wait_s"], "> 0"),
     # env
-    ("negative_env_timeout", ["--config.env.timeout_s=-1"], ["env.timeout_s"], "> 0"),
+    ("negative_env_timeout", ["--config.env.timeout_s=-1"], ["env.timeout_s"], ">= 0.1"),
+    ("tiny_env_timeout", ["--config.env.timeout_s=1e-9"], ["env.timeout_s"], ">= 0.1"),
+    # train: 0 steps would run nothing and still write a run directory; -1 skipped updates in a
+    # row would stop the run after its first step
+    ("no_rl_steps", ["--config.train.steps=0"], ["train.steps"], ">= 1"),
+    ("negative_consecutive_skips", ["--config.train.max_consecutive_skipped=-1"],
+     ["train.max_consecutive_skipped"], ">= 0"),
+    ("tiny_stall_timeout", ["--config.rollout.stall_timeout_s=1e-6"],
+     ["rollout.stall_timeout_s"], ">= 1.0"),
     # distributed
     ("process_id_out_of_range", [*MULTI, "--config.distributed.process_id=2"],
      ["distributed.process_id"], "must be < config.distributed.num_processes = 2"),
@@ -170,7 +178,9 @@ def test_invalid_config_names_exactly_its_keys(overrides, keys, reason):
   with pytest.raises(ConfigError) as info:
     validate(cfg, 8, task_names=TASKS, problems=problems)
   lines = info.value.problems
-  assert str(info.value).splitlines()[1:] == lines
+  # One problem is its line alone; several follow a header that counts them.
+  assert str(info.value).splitlines() == (
+      lines if len(lines) == 1 else [f"{len(lines)} problems found in config:", *lines])
   assert sorted(_key(line) for line in lines) == sorted(keys), "\n".join(lines)
   assert any(reason in line for line in lines), f"{reason!r} not in:\n" + "\n".join(lines)
 

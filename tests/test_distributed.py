@@ -255,8 +255,7 @@ def test_malformed_launcher_variable_is_a_config_error(tmp_path):
                         text=True, timeout=120)
   out = proc.stdout + proc.stderr
   assert proc.returncode != 0, out
-  assert "jaxrl: invalid config" in out, out
-  assert "config.distributed.auto: RANK='5' must be < WORLD_SIZE=2;" in out, out
+  assert "jaxrl: config.distributed.auto: RANK='5' must be < WORLD_SIZE=2;" in out, out
   assert "Compiling" not in out, out
 
 
@@ -276,8 +275,7 @@ def test_detected_processes_get_the_multi_process_checks(tmp_path):
   assert "jaxrl | joined 2 processes (8 devices)" in outs[0], outs[0]
   for p, out in zip(procs, outs):
     assert p.returncode != 0, out
-    assert "jaxrl: invalid config" in out, out
-    assert "config.rollout.engine: must be 'static' with 2 processes" in out, out
+    assert "jaxrl: config.rollout.engine: must be 'static' with 2 processes" in out, out
     assert "Compiling" not in out, out
 
 

@@ -167,7 +167,7 @@ def test_cli_refuses_before_compiling_or_creating_anything(tmp_path):
   out = proc.stdout + proc.stderr
   assert proc.returncode != 0, out
   assert "Traceback" not in proc.stderr, proc.stderr
-  assert "jaxrl: invalid config" in proc.stderr and "the memory plan needs" in proc.stderr
+  assert "jaxrl: config." in proc.stderr and "the memory plan needs" in proc.stderr
   assert "Compiling" not in out and "Finished tracing" not in out, out
   assert list(tmp_path.iterdir()) == []
 

@@ -207,6 +207,5 @@ def test_naming_a_reasoning_gym_task_without_the_package_is_a_config_error():
                         timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines() == [
-      "1 problem found in config:",
       "config.task.name: task 'reasoning_gym:leg_counting' needs the reasoning-gym package, "
       "which is not installed: pip install \"jaxrl[reasoning_gym]\""], proc.stdout

@@ -252,8 +252,9 @@ def test_user_errors_keep_their_builtin_classes_and_print_one_line():
   assert issubclass(UnsupportedModelError, NotImplementedError)
   assert train.user_message(DataFileError("d.jsonl line 3: invalid JSON")) == \
       "jaxrl: d.jsonl line 3: invalid JSON"
-  assert train.user_message(ConfigError(["config.seed: bad"])).startswith(
-      "jaxrl: invalid config\n1 problem found in config:\nconfig.seed: bad")
+  assert train.user_message(ConfigError(["config.seed: bad"])) == "jaxrl: config.seed: bad"
+  assert train.user_message(ConfigError(["config.seed: bad", "config.name: bad"])) == (
+      "jaxrl: invalid config\n2 problems found in config:\nconfig.seed: bad\nconfig.name: bad")
   denied = PermissionError(13, "Permission denied", "/data/run/metrics.jsonl")
   assert train.user_message(denied) == "jaxrl: /data/run/metrics.jsonl: Permission denied"
   assert train.user_message(OSError(28, "No space left on device", "/data/run")) == \

@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
+from jaxrl.cli import common
 from jaxrl.config import memory
 from jaxrl.core.errors import UserError
 
@@ -36,7 +37,40 @@ STARTED = time.monotonic()  # "time to the first RL step" counts from here (the 
 # Overrides are applied by `config_lib.parse_overrides`, which names every bad key at once.
 _CONFIG = flags.DEFINE_string("config", None, "recipe file (configs/*.py) whose get_config() "
                               "returns the run config; default: jaxrl/recipes/default.py")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "print the resolved config and its plan "
+                                  "(meshes, micro-batches, memory), then exit without running")
+_DEBUG = flags.DEFINE_bool("debug", False, "show tracebacks instead of one-line `jaxrl:` errors "
+                           "(as --config.debug=true or JAXRL_DEBUG=1)")
 _OVERRIDES: list[str] = []
+_HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
+
+USAGE = """\
+usage: python -m jaxrl.train [--config FILE] [--config.KEY=VALUE ...] [--print_config] [--debug]
+       jaxrl-train [same arguments]
+
+Trains a language model with RL (a supervised warm-up, then GRPO-family steps) as the recipe
+says: jaxrl/recipes/default.py unless --config names another. Every key below can be set as
+--config.KEY=VALUE; the whole config is checked before anything runs, and every error a user
+can fix ends as one line `jaxrl: ...` with exit status 1.
+
+flags:
+  --config FILE      recipe file whose get_config() returns the run config (FILE:ARG passes
+                     ARG to get_config)
+  --print_config     print the resolved config and its plan (devices, meshes, micro-batches,
+                     memory per device), then exit 0 without compiling or writing anything
+  --debug            tracebacks instead of one-line errors (also JAXRL_DEBUG=1 or
+                     --config.debug=true)
+  -h, --help         this text
+  --helpfull         every flag, absl's own included
+
+config keys (--config.KEY=DEFAULT, then what it may hold and what it means; docs/config.md):"""
+
+
+def help_text() -> str:
+  """What `--help` prints: the usage, the flags and every config key (`jaxrl.config.reference`)."""
+  from jaxrl.config import reference
+
+  return f"{USAGE}\n{reference.text()}"
 
 # File errors whose message (path and reason) tells the user what to change: a run directory or
 # data file that is missing, a file where a directory belongs or the reverse, no permission, a
@@ -47,6 +81,9 @@ _USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
+  if any(a in _HELP_FLAGS for a in argv[1:]):
+    print(help_text())
+    sys.exit(0)
   _OVERRIDES[:] = [a for a in argv[1:] if a.startswith("--config.")]
   try:
     return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
@@ -60,6 +97,8 @@ def _debug_requested(overrides: list[str], cfg: ConfigDict | None = None) -> boo
   recipe's `debug`; read from the raw arguments too, so a recipe that fails to load can be
   debugged."""
   if os.environ.get("JAXRL_DEBUG", "").strip().lower() not in ("", "0", "false"):
+    return True
+  if flags.FLAGS.is_parsed() and _DEBUG.value:
     return True
   for arg in reversed(overrides):
     if arg.startswith("--config.debug="):
@@ -78,10 +117,8 @@ def _os_error_text(e: OSError) -> str:
 
 def user_message(e: BaseException) -> str | None:
   """The `jaxrl: ...` text for an error the user can fix; None for anything else (a bug)."""
-  if isinstance(e, config_lib.ConfigError):
-    return f"jaxrl: invalid config\n{e}"
-  if isinstance(e, UserError):
-    return f"jaxrl: {e}"
+  if isinstance(e, (config_lib.ConfigError, UserError)):
+    return common.user_message(e)
   # A user error on the rollout thread (a bad row, too many rows skipped) reaches the trainer
   # as the pipeline's WorkerFailed, caused by it (imported here: a bad flag's message comes
   # before jax is imported).
@@ -272,6 +309,14 @@ def main(argv: list[str]) -> None:
   except Exception as e:
     _exit_if_user_error(e, debug)
     raise
+  if _PRINT_CONFIG.value:  # the dry run: nothing compiled, created or written
+    import jax
+
+    from jaxrl.config import plan
+
+    print(plan.dry_run_text(cfg, mesh_shape, jax.device_count(), jax.default_backend(),
+                            jax.process_count()), flush=True)
+    return
 
   from jaxrl.runtime import compile_cache
 

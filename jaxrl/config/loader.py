@@ -50,6 +50,23 @@ def _moved_hint(e: Exception) -> str:
   return ""
 
 
+def _check_plain(cfg: Mapping, where: str) -> None:
+  """A plain mapping from `get_config()` must hold every key of the schema (a whole config, e.g.
+  a saved config.json's); one written from scratch is one error line, not a line per missing
+  key."""
+  from jaxrl.config.schema import flatten, is_section
+  from jaxrl.recipes import default as default_config
+
+  want = [k for k, v in flatten(default_config.get_config()).items() if not is_section(v)]
+  have = flatten(cfg)
+  missing = [k for k in want if k not in have]
+  if missing:
+    raise RecipeError(
+        f"{where}: get_config() returned a plain {type(cfg).__name__} without {len(missing)} of "
+        f"the config's {len(want)} keys (first: {missing[0]}); start from "
+        "jaxrl.recipes.default.get_config() and change its values")
+
+
 def load_recipe(path: str) -> ConfigDict:
   """The config that the recipe file `path` returns from `get_config()`.
 
@@ -97,6 +114,7 @@ def load_recipe(path: str) -> ConfigDict:
     raise RecipeError(f"{where}: get_config() raised {type(e).__name__}"
                       f"{_recipe_line(e.__traceback__, file)}: {e}") from e
   if isinstance(cfg, Mapping) and not isinstance(cfg, ConfigDict):
+    _check_plain(cfg, where)
     cfg = ConfigDict(cfg)
   if not isinstance(cfg, ConfigDict):
     raise RecipeError(f"{where}: get_config() returned {type(cfg).__name__}, not a ConfigDict "

@@ -33,13 +33,16 @@ Rule = tuple[Callable[[Any], bool], str]
 
 
 class ConfigError(UserError, ValueError):
-  """All problems found in a config; one line each, starting with the full `config.` key."""
+  """All problems found in a config; one line each, starting with the full `config.` key. One
+  problem is its line alone; several follow a header line that counts them."""
 
   def __init__(self, problems: list[str]):
     self.problems = list(problems)
     n = len(self.problems)
-    head = f"{n} problem{'s' if n != 1 else ''} found in config:"
-    super().__init__("\n".join([head, *self.problems]))
+    if n == 1:
+      super().__init__(self.problems[0])
+    else:
+      super().__init__("\n".join([f"{n} problems found in config:", *self.problems]))
 
 
 def _gt(lo):
@@ -194,7 +197,9 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.top_p", _in(0, 1, lo_open=True)),
     ("rollout.lag", _ge(0)),
     ("rollout.max_regenerations", _ge(0)),
-    ("rollout.stall_timeout_s", _gt(0)),
+    # Below a second the watchdog fires while a healthy batch is still being generated.
+    ("rollout.stall_timeout_s", (lambda v: v >= 1.0, ">= 1.0 (seconds: the watchdog must outlast "
+                                 "the generation of one batch)")),
     ("task.weights", (lambda v: v == "" or _floats_ok(v),
                       "'' (equal) or comma-separated numbers >= 0, not all 0")),
     ("task.rg_config", (lambda v: v == "" or _json_object_ok(v),
@@ -212,7 +217,9 @@ RULES: list[tuple[str, Rule]] = [
     ("dynamic_sampling.tol", _ge(0)),
     ("dynamic_sampling.max_gen_batches", _ge(1)),
     ("dynamic_sampling.reward_field", _one_of(set(REWARD_FIELDS))),
-    ("train.steps", _ge(0)),
+    ("train.steps", (lambda v: v >= 1, ">= 1 (0 would run no RL step)")),
+    # The count of skipped updates in a row that stops the run; 0 is "never".
+    ("train.max_consecutive_skipped", _ge(0)),
     ("train.learning_rate", _gt(0)),
     ("train.warmup_steps", _ge(0)),
     ("train.lr_schedule", _one_of(set(LR_SCHEDULES))),
@@ -237,6 +244,7 @@ RULES: list[tuple[str, Rule]] = [
     ("loss.sapo_tau_neg", _gt(0)),
     ("loss.reduction", _one_of(set(REDUCTIONS))),
     ("loss.norm_len", _ge(0)),
+    ("loss.entropy_coef", _ge(0)),
     *((f"loss.{k}", _gt(0)) for k in CORRECTION_CAPS),
     *((f"loss.{k}", _ge(0)) for k in CORRECTION_BAND_KEYS),
     ("loss.seq_logprob_error_threshold",
@@ -246,6 +254,8 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout_kl.estimator", _one_of(set(KL_ESTIMATORS))),
     ("rollout_kl.reduction", _one_of(set(KL_REDUCTIONS))),
     ("ref_kl.coef", _ge(0)),
+    ("distill.coef", _ge(0)),
+    ("distill.reward_weight", _ge(0)),
     ("ref_kl.estimator", _one_of(set(KL_ESTIMATORS))),
     ("ref_kl.reduction", _one_of(set(KL_REDUCTIONS))),
     ("val.every", _ge(1)),
@@ -254,7 +264,8 @@ RULES: list[tuple[str, Rule]] = [
     ("val.temperature", (lambda v: v == 0 or v >= MIN_TEMPERATURE,
                          f"0 (greedy) or >= {MIN_TEMPERATURE} ({_TINY_T})")),
     ("val.max_wait_s", _gt(0)),
-    ("env.timeout_s", _gt(0)),
+    ("env.timeout_s", (lambda v: v >= 0.1, ">= 0.1 (seconds: a shorter limit fails the calls of "
+                       "any real environment)")),
     ("profile.steps", (_profile_steps_ok, "'' (off) or 'A:B' with whole numbers 1 <= A <= B "
                        "(RL steps A to B)")),
     ("profile.peak_flops", _ge(0)),

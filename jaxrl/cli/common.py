@@ -1,0 +1,51 @@
+"""What every jaxrl command shares: the one-line `jaxrl: ...` text of an error the user can fix,
+and the debug switch (`--debug` or `JAXRL_DEBUG=1`) that shows its traceback instead.
+
+Every command (train, evaluate, export, plot, serve) ends a user error as one line starting
+`jaxrl: ` with exit status 1; anything else is a bug in jaxrl and keeps its traceback. No jax.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxrl.config.schema import ConfigError
+from jaxrl.core.errors import UserError
+
+# File errors whose message (path and reason) tells the user what to change.
+USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                  NotADirectoryError)
+DEBUG_ENV = "JAXRL_DEBUG"
+
+
+def debug_env(environ=os.environ) -> bool:
+  """`JAXRL_DEBUG` set to anything but "", "0" or "false"."""
+  return environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false")
+
+
+def config_error_text(e: ConfigError) -> str:
+  """One line `jaxrl: config.<key>: ...` for one problem; a header and a line per problem for
+  several."""
+  if len(e.problems) == 1:
+    return f"jaxrl: {e.problems[0]}"
+  return f"jaxrl: invalid config\n{e}"
+
+
+def os_error_text(e: OSError) -> str:
+  """"<path>: <reason>" (and the second path of a rename); the bare message when there is none
+  (e.g. a FileNotFoundError raised with a sentence)."""
+  if e.strerror and e.filename is not None:
+    paths = os.fspath(e.filename) + (f" -> {os.fspath(e.filename2)}" if e.filename2 else "")
+    return f"{paths}: {e.strerror}"
+  return str(e) or type(e).__name__
+
+
+def user_message(e: BaseException) -> str | None:
+  """The `jaxrl: ...` text of a config error, a `UserError` or a file error; None otherwise."""
+  if isinstance(e, ConfigError):
+    return config_error_text(e)
+  if isinstance(e, UserError):
+    return f"jaxrl: {e}"
+  if isinstance(e, USER_OS_ERRORS):
+    return f"jaxrl: {os_error_text(e)}"
+  return None
