@@ -10,12 +10,13 @@ Needs two things on disk (nothing is downloaded at run time):
 Prompts are the question plus an instruction, rendered as a user message through the model's
 chat template; the reward is 1 when the answer after the last "####" (or the last number)
 equals the gold one. The sizes below are for an accelerator slice (fsdp over every device);
-on a CPU use toy sizes, e.g.
+on a CPU use toy sizes, and validate on a few questions rather than the whole test split, e.g.
 
+    head -n 16 data/gsm8k/test.jsonl > data/gsm8k/test16.jsonl
     python -m jaxrl.train --config configs/qwen2_5_0_5b_gsm8k.py --config.model.dtype=float32 \
       --config.rollout.num_prompts=2 --config.rollout.group_size=4 \
-      --config.rollout.max_new_tokens=64 \
-      --config.val.batch_size=8 --config.train.steps=3
+      --config.rollout.max_new_tokens=64 --config.train.steps=3 \
+      --config.task.val_path=data/gsm8k/test16.jsonl --config.val.batch_size=8
 """
 
 from jaxrl.recipes import default
@@ -28,7 +29,7 @@ def get_config():
   c.model.param_dtype = "float32"  # master weights and Adam moments in f32
   c.model.dtype = "bfloat16"  # compute; log-probs are always f32
   c.model.scan_layers = True  # 24 layers: compile time flat in depth
-  c.model.remat = "full"  # 1536-token rows: keep layer inputs, not [rows, heads, T, T] scores
+  c.model.remat = "full"  # 768-token rows: keep layer inputs, not [rows, heads, T, T] scores
 
   c.task.name = "math"
   c.task.path = "data/gsm8k/train.jsonl"
