@@ -21,7 +21,8 @@ from ml_collections import ConfigDict
 from jaxrl.core.errors import UserError
 from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, ATTENTION_IMPLS, CORRECTION_BAND_KEYS,
                               DECODE_ATTENTION_IMPLS,
-                              CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS, LORA_TARGETS,
+                              CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS,
+                              KV_CACHE_DTYPES, LORA_TARGETS,
                               LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
                               REWARD_FIELDS)
 
@@ -171,6 +172,7 @@ RULES: list[tuple[str, Rule]] = [
     ("model.lora.learning_rate", _ge(0)),
     ("model.lora.rollout", _one_of(("apply", "merge"))),
     ("rollout.dtype", _one_of(("auto", "float32", "bfloat16"))),
+    ("rollout.kv_cache_dtype", _one_of(KV_CACHE_DTYPES)),
     ("rollout.engine", _one_of(("static", "continuous"))),
     ("rollout.engine_slots", _ge(0)),
     ("rollout.engine_steps", _ge(1)),

@@ -52,6 +52,9 @@ DECODE_ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 # Per-row reward tags the rollout producer records (dynamic sampling filters on one of them).
 REWARD_FIELDS = ("reward",)
 DTYPES = ("float32", "bfloat16", "float16")
+# `rollout.kv_cache_dtype`: the sampler's KV cache storage ("auto": bfloat16 on a GPU or TPU, the
+# sampler's compute dtype on CPU); the float8 ones store keys and values in 8 bits, unscaled.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 # Projections LoRA adapts (`model.lora.targets`), by their Hugging Face names minus "_proj".
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

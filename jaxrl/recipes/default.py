@@ -179,6 +179,11 @@ def get_config() -> ConfigDict:
   # version is published; its log-probs are then the low-precision policy's, which the mismatch
   # metrics and corrections (loss.correction) see.
   c.rollout.dtype = "auto"
+  # The sampler's KV cache storage: "auto" (bfloat16 on a GPU or TPU; on CPU the sampler's
+  # compute dtype, as before), "float32", "bfloat16", or "float8_e4m3fn" / "float8_e5m2" (8 bits
+  # a value, unscaled; measured in docs/rollouts.md). Attention upcasts what it reads; the
+  # sampler's log-probs stay the float32 softmax's.
+  c.rollout.kv_cache_dtype = "auto"
   c.rollout.logprobs = True  # keep the sampler's log-probs (corrections, rollout KL, mismatch)
   # Forced lag L: a background worker generates batch t with the params published after step
   # t - L (staleness exactly min(t, L)); 0 = synchronous on-policy training.
