@@ -125,7 +125,7 @@ def test_a_hugging_face_directory_on_another_split_with_pass_at_k(tmp_path):
   recipe = os.path.join(os.path.dirname(recipes.__file__), "qwen2_5_0_5b_gsm8k.py")
   assert evaluate.main([
       "--hf", path, "--config", recipe, "--task", "math", "--split", "train", "--samples", "2",
-      "--temperature", "1.0", "--batch-size", "8", "--out", str(out),
+      "--temperature", "1.0", "--batch_size", "8", "--out", str(out),
       f"--config.task.path={data}", "--config.task.val_path=", "--config.model.dtype=float32",
       "--config.rollout.max_new_tokens=8"]) == 0
   got = json.loads(out.read_text())

@@ -108,7 +108,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
   assert summary["rl/steps"] == 3
 
   out_dir = tmp_path / "exported"
-  assert export.main(["--run_dir", str(run_dir), "--out", str(out_dir)]) == 0
+  assert export.main(["--run", str(run_dir), "--out", str(out_dir)]) == 0
   # The exported weights are the trained ones: they moved away from the starting checkpoint.
   _, _, start = load_hf(model_dir)
   cfg2, _, trained = load_hf(str(out_dir))

@@ -180,7 +180,7 @@ def test_adapter_export_names_shapes_values_and_config(tmp_path, family, capsys)
   model_dir = _jaxrl_model_dir(tmp_path / "hf", family)
   run_dir, _, lora_cfg, _, adapters = _lora_run(tmp_path, family, model_dir, dropout=0.05)
   out = tmp_path / "adapter"
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", out, "--adapter")
+  rc, err = _export(capsys, "--run", run_dir, "--out", out, "--adapter")
   assert rc == 0, err
   assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
   config, tensors = _read_adapter(str(out))
@@ -215,7 +215,7 @@ def test_adapter_export_names_shapes_values_and_config(tmp_path, family, capsys)
   assert lora_cfg.lora_targets == TARGETS
 
   # A hub id instead of the local path, for a model card or `AutoPeftModelForCausalLM`.
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "a2", "--adapter",
+  rc, err = _export(capsys, "--run", run_dir, "--out", tmp_path / "a2", "--adapter",
                     "--base_model", "Qwen/Qwen2.5-0.5B-Instruct")
   assert rc == 0, err
   assert _read_adapter(str(tmp_path / "a2"))[0]["base_model_name_or_path"] == \
@@ -225,7 +225,7 @@ def test_adapter_export_names_shapes_values_and_config(tmp_path, family, capsys)
 def test_adapter_export_of_some_targets_only(tmp_path, capsys):
   model_dir = _jaxrl_model_dir(tmp_path / "hf", "llama")
   run_dir, *_ = _lora_run(tmp_path, "llama", model_dir, targets="q,v,down")
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "a", "--adapter")
+  rc, err = _export(capsys, "--run", run_dir, "--out", tmp_path / "a", "--adapter")
   assert rc == 0, err
   config, tensors = _read_adapter(str(tmp_path / "a"))
   assert config["target_modules"] == ["q_proj", "v_proj", "down_proj"]
@@ -243,7 +243,7 @@ def test_plain_and_merged_exports_are_the_merged_model(tmp_path, capsys):
   assert np.abs(lora_logits - _logits(base_cfg, base)).max() > 1e-2
   for flag in ((), ("--merged",)):
     out = tmp_path / f"out{len(flag)}"
-    rc, err = _export(capsys, "--run_dir", run_dir, "--out", out, *flag)
+    rc, err = _export(capsys, "--run", run_dir, "--out", out, *flag)
     assert rc == 0, err
     assert not os.path.exists(out / export.ADAPTER_CONFIG_FILE)
     cfg, _, got = load_hf(str(out))
@@ -268,12 +268,12 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
   _, _, base = load_hf(model_dir)
   full = _write_run(tmp_path / "full", cfg, base, None)
   for flag in ("--adapter", "--merged"):
-    rc, err = _export(capsys, "--run_dir", full, "--out", tmp_path / "x", flag)
+    rc, err = _export(capsys, "--run", full, "--out", tmp_path / "x", flag)
     assert rc == 1 and err.count("\n") == 1, err
-    assert err.startswith("jaxrl.export: ") and "no LoRA adapters" in err
+    assert err.startswith("jaxrl: ") and "no LoRA adapters" in err
     assert "model.lora.rank is 0" in err and f"without {flag}" in err
   assert not os.path.exists(tmp_path / "x")
-  rc, err = _export(capsys, "--run_dir", full, "--out", tmp_path / "plain")
+  rc, err = _export(capsys, "--run", full, "--out", tmp_path / "plain")
   assert rc == 0, err
   np.testing.assert_array_equal(np.asarray(load_hf(str(tmp_path / "plain"))[2]["wk"][...]),
                                 np.asarray(base["wk"][...]))
@@ -281,16 +281,16 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
   # A LoRA run whose warm-up trained the base: no adapter (its base is not the starting model);
   # the merged model is fine.
   run_dir, *_ = _lora_run(tmp_path, "qwen2", model_dir, warmup_steps=20)
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "y", "--adapter")
+  rc, err = _export(capsys, "--run", run_dir, "--out", tmp_path / "y", "--adapter")
   assert rc == 1 and err.count("\n") == 1, err
   assert "warm-up trained the base model (20 steps)" in err and "--merged" in err
   assert not os.path.exists(tmp_path / "y")
-  assert _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "m", "--merged")[0] == 0
+  assert _export(capsys, "--run", run_dir, "--out", tmp_path / "m", "--merged")[0] == 0
 
   # A run directory that is not one, or a step that is not there.
-  rc, err = _export(capsys, "--run_dir", tmp_path / "nope", "--out", tmp_path / "z", "--adapter")
+  rc, err = _export(capsys, "--run", tmp_path / "nope", "--out", tmp_path / "z", "--adapter")
   assert rc == 1 and "is not a jaxrl run directory" in err and err.count("\n") == 1
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "z", "--merged",
+  rc, err = _export(capsys, "--run", run_dir, "--out", tmp_path / "z", "--merged",
                     "--step", "7")
   assert rc == 1 and "no checkpoint of step 7" in err and err.count("\n") == 1
 
@@ -300,16 +300,18 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
   saved["model"]["lora"]["rank"] = 8
   with open(os.path.join(run_dir, "config.json"), "w") as f:
     json.dump(saved, f)
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "z", "--merged")
-  assert rc == 1 and err.startswith("jaxrl.export: checkpoint 3 of ") and err.count("\n") == 1
+  rc, err = _export(capsys, "--run", run_dir, "--out", tmp_path / "z", "--merged")
+  assert rc == 1 and err.startswith("jaxrl: checkpoint 3 of ") and err.count("\n") == 1
   assert "does not hold the model its config.json describes" in err
 
-  # Flags that do not go together: argparse's usage error.
+  # Flags that do not go together: one line naming them, exit status 1.
   for argv in (["--adapter", "--merged"], ["--base_model", "m"], ["--merged", "--base_model", "m"]):
     with pytest.raises(SystemExit) as e:
-      export.main(["--run_dir", run_dir, "--out", str(tmp_path / "z"), *argv])
-    assert e.value.code == 2
-  assert "not allowed with argument" in capsys.readouterr().err
+      export.main(["--run", run_dir, "--out", str(tmp_path / "z"), *argv])
+    assert e.value.code == 1
+  err = capsys.readouterr().err
+  assert "not allowed with argument" in err and all(
+      line.startswith("jaxrl: python -m jaxrl.export: ") for line in err.splitlines()), err
 
 
 def test_restore_fields_reads_named_fields_only(tmp_path):
@@ -385,7 +387,7 @@ def test_peft_adapter_and_merged_export_match_jaxrl_logits(tmp_path, family, cap
   assert moved > 1e-2, moved
 
   adapter_dir = tmp_path / "adapter"
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", adapter_dir, "--adapter")
+  rc, err = _export(capsys, "--run", run_dir, "--out", adapter_dir, "--adapter")
   assert rc == 0, err
   load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32).eval()
@@ -411,7 +413,7 @@ def test_peft_adapter_and_merged_export_match_jaxrl_logits(tmp_path, family, cap
   np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
   merged_dir = tmp_path / "merged"
-  rc, err = _export(capsys, "--run_dir", run_dir, "--out", merged_dir, "--merged")
+  rc, err = _export(capsys, "--run", run_dir, "--out", merged_dir, "--merged")
   assert rc == 0, err
   merged = load(str(merged_dir))
   assert type(merged).__name__ == FAMILIES[family][1]
@@ -459,13 +461,13 @@ def test_lora_recipe_run_exports_adapter_and_merged_model(tmp_path, capsys):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                base, start)  # the base stayed the starting model
 
-  assert _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "adapter", "--adapter")[0] == 0
+  assert _export(capsys, "--run", run_dir, "--out", tmp_path / "adapter", "--adapter")[0] == 0
   config, tensors = _read_adapter(str(tmp_path / "adapter"))
   assert (config["r"], config["lora_alpha"]) == (4, 32)
   np.testing.assert_array_equal(
       tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"],
       np.asarray(adapters["lora_down"]["lora_b"][...])[1].T)
-  assert _export(capsys, "--run_dir", run_dir, "--out", tmp_path / "merged")[0] == 0
+  assert _export(capsys, "--run", run_dir, "--out", tmp_path / "merged")[0] == 0
   _, _, merged = load_hf(str(tmp_path / "merged"))
   want = lora_lib.merged_weights(lora_cfg, base, adapters)
   for name in lora_lib.WEIGHTS.values():

@@ -7,7 +7,9 @@ Every command (train, evaluate, export, plot, serve) ends a user error as one li
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 from jaxrl.config.schema import ConfigError
 from jaxrl.core.errors import UserError
@@ -21,6 +23,43 @@ DEBUG_ENV = "JAXRL_DEBUG"
 def debug_env(environ=os.environ) -> bool:
   """`JAXRL_DEBUG` set to anything but "", "0" or "false"."""
   return environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false")
+
+
+def debug_requested(flag: bool, overrides: list[str] = (), environ=os.environ) -> bool:
+  """Tracebacks wanted: `--debug`, `JAXRL_DEBUG`, or the last `--config.debug=` override."""
+  if flag or debug_env(environ):
+    return True
+  for arg in reversed(list(overrides)):
+    if arg.startswith("--config.debug="):
+      return arg.partition("=")[2].strip().lower() in ("true", "1")
+  return False
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse with jaxrl's ending for a bad command line: one line `jaxrl: <prog>: <what>`,
+  exit status 1 (as `python -m jaxrl.train` ends a bad flag), and a `--debug` flag."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.add_argument("--debug", action="store_true",
+                      help="show tracebacks instead of one-line `jaxrl:` errors (also "
+                           "JAXRL_DEBUG=1)")
+
+  def error(self, message: str):
+    print(f"jaxrl: {self.prog}: {message} (--help lists the flags)", file=sys.stderr)
+    sys.exit(1)
+
+
+def deprecated_flag(argv: list[str], old: str, new: str) -> list[str]:
+  """`argv` with the old spelling `old` of a flag (alone or as `old=VALUE`) renamed to `new`,
+  and one line on stderr saying so."""
+  out = []
+  for a in argv:
+    if a == old or a.startswith(old + "="):
+      print(f"jaxrl: {old} is deprecated; use {new}", file=sys.stderr)
+      a = new + a[len(old):]
+    out.append(a)
+  return out
 
 
 def config_error_text(e: ConfigError) -> str:

@@ -1,7 +1,7 @@
 """Evaluate a run's checkpoint, or a Hugging Face model, on any task and split:
 
     python -m jaxrl.evaluate --run RUN_DIR [--step N] [--task NAME] [--split val] \\
-        [--samples K] [--temperature T] [--batch-size B] [--out FILE] [--config.key=value ...]
+        [--samples K] [--temperature T] [--batch_size B] [--out FILE] [--config.key=value ...]
     python -m jaxrl.evaluate --hf MODEL_DIR --task math --config.task.path=data.jsonl ...
 
 It is the run's own validation pass (`jaxrl.run.validation.Evaluator.evaluate`, on parts built by
@@ -11,7 +11,8 @@ gives exactly the accuracy that run logged for step s. The config is the run's `
 the recipe of `--config FILE` (default `jaxrl/recipes/default.py`) with `model.hf_path` set.
 `--config FILE` with `--run` is only loaded for the tasks it registers. Then `--config.key=value`
 overrides, then the flags: `--task` (`task.name`), `--samples` (`val.samples_per_prompt`),
-`--temperature` (`val.temperature`), `--batch-size` (`val.batch_size`).
+`--temperature` (`val.temperature`), `--batch_size` (`val.batch_size`; `--batch-size` is a
+deprecated spelling).
 
 Prints accuracy, pass@k and mean completion length, overall and per task, as a table, and writes
 them as JSON to `--out` (default `<run_dir>/eval-<step>-<task>-<split>.json`, or
@@ -19,7 +20,8 @@ them as JSON to `--out` (default `<run_dir>/eval-<step>-<task>-<split>.json`, or
 optimizer state or ring is read). One process only.
 
 Errors a user can fix (no run directory or checkpoint, a missing step, an unknown task or split,
-a bad config key) end as one line `jaxrl: ...` with exit status 1 (`JAXRL_DEBUG=1` re-raises).
+a bad config key) end as one line `jaxrl: ...` with exit status 1; `--debug`,
+`--config.debug=true` or `JAXRL_DEBUG=1` re-raises (`jaxrl.cli.common`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ import time
 from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
+from jaxrl.cli import common
 from jaxrl.core.errors import UserError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "default.py")
-_USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                   NotADirectoryError)
 
 
 def _finite(x):
@@ -210,19 +211,11 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]
 def user_message(e: BaseException) -> str | None:
   """The one-line `jaxrl: ...` for an error the user can fix (as `python -m jaxrl.train` prints
   them); None for a bug."""
-  if isinstance(e, config_lib.ConfigError):
-    return f"jaxrl: invalid config\n{e}"
-  if isinstance(e, UserError):
-    return f"jaxrl: {e}"
-  if isinstance(e, _USER_OS_ERRORS):
-    if e.strerror and e.filename is not None:
-      return f"jaxrl: {os.fspath(e.filename)}: {e.strerror}"
-    return f"jaxrl: {e}"
-  return None
+  return common.user_message(e)
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = common.ArgumentParser(
       prog="python -m jaxrl.evaluate",
       description="Evaluate a jaxrl checkpoint or a Hugging Face model on a task's split with "
                   "the run's own validation pass; config keys as --config.key=value.")
@@ -238,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--samples", type=int, default=None, help="samples per prompt: k of pass@k")
   p.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 = "
                  "greedy")
-  p.add_argument("--batch-size", type=int, default=None, help="prompts per generation batch")
+  p.add_argument("--batch_size", type=int, default=None, help="prompts per generation batch")
   p.add_argument("--out", default=None, help="JSON file to write (default "
                  "<run_dir>/eval-<step>-<task>-<split>.json)")
   return p
@@ -246,11 +239,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  argv = common.deprecated_flag(argv, "--batch-size", "--batch_size")
   overrides = [a for a in argv if a.startswith("--config.")]
   args = parser().parse_args([a for a in argv if not a.startswith("--config.")])
   if args.step is not None and args.hf:
     parser().error("--step needs --run")
-  debug = os.environ.get("JAXRL_DEBUG", "").strip().lower() not in ("", "0", "false")
+  debug = common.debug_requested(args.debug, overrides)
   try:
     result, out = evaluate(args, overrides)
   except Exception as e:

@@ -1,9 +1,12 @@
 """A run's checkpoint as a Hugging Face model directory any serving stack loads, or a LoRA run's
 adapters as a PEFT adapter directory.
 
-    python -m jaxrl.export --run_dir runs/qwen-gsm8k-... --out exported/ [--step N]
-    python -m jaxrl.export --run_dir runs/qwen-lora-... --out adapter/ --adapter
-    python -m jaxrl.export --run_dir runs/qwen-lora-... --out merged/ --merged
+    python -m jaxrl.export --run runs/qwen-gsm8k-... --out exported/ [--step N]
+    python -m jaxrl.export --run runs/qwen-lora-... --out adapter/ --adapter
+    python -m jaxrl.export --run runs/qwen-lora-... --out merged/ --merged
+
+(`--run_dir` is a deprecated spelling of `--run`.) An error the user can fix ends as one line
+`jaxrl: ...` with exit status 1; `--debug` or `JAXRL_DEBUG=1` shows its traceback.
 
 A run started from `model.hf_path` keeps a copy of that directory's metadata (config, generation
 config, tokenizer files, chat template) under `<run_dir>/hf_base/`. Export restores only the
@@ -27,12 +30,12 @@ trained on); export it with `--merged`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import types
 
+from jaxrl.cli import common
 from jaxrl.core.errors import UserError
 from jaxrl.run.directory import METADATA_DIR, METADATA_FILES, copy_metadata  # noqa: F401
 
@@ -242,13 +245,13 @@ def export_adapter(run_dir: str, out_dir: str, step: int | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
+  parser = common.ArgumentParser(
       prog="python -m jaxrl.export",
       description="Write a jaxrl checkpoint of a run started from a Hugging Face model "
                   "(config.model.hf_path) as a Hugging Face model directory. A LoRA run "
                   "(model.lora.rank > 0) is written with its adapters merged into the weights, "
                   "or with --adapter as a PEFT adapter directory.")
-  parser.add_argument("--run_dir", required=True, help="the run directory (holds checkpoints/)")
+  parser.add_argument("--run", required=True, help="the run directory (holds checkpoints/)")
   parser.add_argument("--out", required=True, help="directory to write (created if missing)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   kind = parser.add_mutually_exclusive_group()
@@ -264,24 +267,28 @@ def main(argv: list[str] | None = None) -> int:
                       help="with --adapter: base_model_name_or_path to write in "
                            "adapter_config.json (default: the run's model.hf_path), e.g. the "
                            "model's hub id")
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+  args = parser.parse_args(common.deprecated_flag(argv, "--run_dir", "--run"))
   if args.base_model is not None and not args.adapter:
     parser.error("--base_model goes with --adapter")
   try:
     if args.adapter:
-      step, out = export_adapter(args.run_dir, args.out, args.step, args.base_model)
+      step, out = export_adapter(args.run, args.out, args.step, args.base_model)
     else:
       if args.merged:
-        run_cfg, _, model_cfg = read_run(args.run_dir)
+        run_cfg, _, model_cfg = read_run(args.run)
         if lora_config(run_cfg, model_cfg) is None:
-          raise ExportError(f"--merged: run {args.run_dir} has no LoRA adapters (config "
+          raise ExportError(f"--merged: run {args.run} has no LoRA adapters (config "
                             "model.lora.rank is 0); export it without --merged")
-      step, out = export_hf(args.run_dir, args.out, args.step)
-  except (FileNotFoundError, UserError) as e:
-    print(f"jaxrl.export: {e}", file=sys.stderr)
+      step, out = export_hf(args.run, args.out, args.step)
+  except Exception as e:
+    message = None if common.debug_requested(args.debug) else common.user_message(e)
+    if message is None:
+      raise
+    print(message, file=sys.stderr)
     return 1
   what = " (PEFT adapter)" if args.adapter else ""
-  print(f"jaxrl.export: step {step} of {args.run_dir} -> {out}{what}")
+  print(f"jaxrl.export: step {step} of {args.run} -> {out}{what}")
   return 0
 
 

@@ -1,20 +1,23 @@
 """python -m jaxrl.plot RUN_DIR [RUN_DIR ...] [-o out.png] [--keys KEY ...]
+   python -m jaxrl.plot --run RUN_DIR [--run RUN_DIR ...] [-o out.png] [--keys KEY ...]
 
 Draws the metrics.jsonl of one or more run directories on one chart, one colour per run and the
 legend by run directory name: seeds or configs side by side. Without --keys the panels are those
 of a run's own curves.png (`curves.CURVES`); each --keys entry is one panel, a metric name or an
 fnmatch pattern (`'staleness/*'`). Errors the user can fix (a missing directory or file, a
-malformed line, an unwritable output) end as one line `jaxrl: <message>` and exit status 1.
+malformed line, an unwritable output) end as one line `jaxrl: <message>` and exit status 1;
+`--debug` or `JAXRL_DEBUG=1` shows the traceback. Run directories are given by position or, as
+in the other commands, each with `--run`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from collections.abc import Sequence
 
+from jaxrl.cli import common
 from jaxrl.core.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -104,12 +107,15 @@ def plot(runs: Sequence[str], out: str = DEFAULT_OUT, keys: Sequence[str] | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
+  parser = common.ArgumentParser(
       prog="python -m jaxrl.plot",
       description="Overlay the metrics.jsonl of run directories on one chart (legend: run "
                   "directory names).")
-  parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+  parser.add_argument("runs", nargs="*", metavar="RUN_DIR",
                       help="run directories (or their metrics.jsonl files)")
+  parser.add_argument("--run", action="append", default=[], metavar="RUN_DIR",
+                      help="a run directory (repeat for several); the same as giving it by "
+                           "position")
   parser.add_argument("-o", "--out", default=DEFAULT_OUT,
                       help=f"file to write; its extension picks the format (default {DEFAULT_OUT})")
   parser.add_argument("--keys", nargs="+", metavar="KEY",
@@ -118,15 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--title", default=None,
                       help="figure title (default: the run's name when there is one run)")
   args = parser.parse_args(argv)
+  runs = [*args.runs, *args.run]
+  if not runs:
+    parser.error("give at least one run directory (RUN_DIR or --run RUN_DIR)")
   try:
-    missing = plot(args.runs, args.out, args.keys, args.title)
-  except (UserError, OSError) as e:
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-      e = f"{e.filename}: {e.strerror}"
-    print(f"jaxrl: {e}", file=sys.stderr)
+    missing = plot(runs, args.out, args.keys, args.title)
+  except Exception as e:
+    message = None if common.debug_requested(args.debug) else (
+        common.user_message(e) or (f"jaxrl: {common.os_error_text(e)}"
+                                   if isinstance(e, OSError) else None))
+    if message is None:
+      raise
+    print(message, file=sys.stderr)
     return 1
   note = f" (no data for {', '.join(missing)})" if missing else ""
-  print(f"wrote {args.out}: {len(args.runs)} run{'s' if len(args.runs) > 1 else ''}{note}")
+  print(f"wrote {args.out}: {len(runs)} run{'s' if len(runs) > 1 else ''}{note}")
   return 0
 
 
