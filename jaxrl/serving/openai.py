@@ -1,0 +1,326 @@
+"""An OpenAI-compatible HTTP server over the continuous engine (the `serve` extra).
+
+    server = OpenAIServer(graphdef, params, tokenizer, model="tiny").start(port=0)
+    client = openai.OpenAI(base_url=server.url, api_key="none")
+
+Endpoints: `POST /v1/chat/completions` (streaming too), `POST /v1/completions` (streaming too),
+`GET /v1/models`, `GET /health`. Chat prompts go through the model's chat template with the
+request's tools; replies are parsed back into `tool_calls` (`chat_tools`). Every choice carries
+its exact prompt and completion token ids and each token's policy version (`responses`).
+
+Stack: starlette (the ASGI toolkit) on uvicorn (the ASGI server). Each handler is a few lines
+over plain dicts, so the toolkit FastAPI is built on is enough: FastAPI would add pydantic
+request models that duplicate the OpenAI schema without checking more than `responses` does,
+and aiohttp would bring its own server and event loop conventions where uvicorn is the one
+serving stack the rest of the ecosystem (vLLM, SGLang) runs on.
+
+Threads: uvicorn runs its event loop on one thread (`start`) or the caller's (`serve`); the
+engine runs on the dispatcher's thread, which batches every client's requests (`dispatcher`).
+Both are supervised: a dead engine thread turns every request into a 503 naming its error, and
+`start` raises if uvicorn does not come up. Requests beyond `max_queue` waiting get a 429.
+
+Streaming sends the reply as server-sent events, one chunk per generated token, once the reply's
+row has finished in the engine (the engine hands out whole rows). A client that disconnects
+mid-stream only loses its own stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Callable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from jaxrl.data.chat_template import ChatTemplateError
+from jaxrl.rollout.engine import Engine
+from jaxrl.serving import responses as R
+from jaxrl.serving.chat_tools import (RequestError, check_tools, parse_tool_calls, render_prompt,
+                                      template_messages, tool_format)
+from jaxrl.serving.dispatcher import Dispatcher, Job, ServerBusy
+
+
+class OpenAIServer:
+  """The server's state: the model's name, tokenizer and engine thread; `app` is the ASGI app.
+
+  `params_source() -> (version, params)` replaces the fixed `params` (version `version`) when a
+  trainer serves the params it publishes. `max_prompt_len` and `max_new_tokens` are the engine's
+  budgets: a longer prompt gets a 400 (`context_length_exceeded`), and `max_tokens` may only lower
+  the reply budget. `compact`, `prefill_buckets` and `steps_per_dispatch` are the engine's
+  (`jaxrl.rollout.engine.Engine`); `warmup` compiles every program before serving.
+  """
+
+  def __init__(self, graphdef, params, tokenizer, *, model: str = "jaxrl", num_slots: int = 8,
+               max_prompt_len: int = 512, max_new_tokens: int = 128, seed: int = 0,
+               version: int = 0, params_source: Callable[[], tuple[int, object]] | None = None,
+               max_queue: int = 1024, steps_per_dispatch: int = 8, warmup: bool = True,
+               compact: bool = True, prefill_buckets=None):
+    self.model, self.tokenizer = model, tokenizer
+    eos = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+    self.engine = Engine(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
+                         max_new_tokens=max_new_tokens, eos_id=eos, pad_id=tokenizer.pad_id,
+                         steps_per_dispatch=steps_per_dispatch, compact=compact,
+                         prefill_buckets=prefill_buckets)
+    source = params_source or (lambda: (version, params))
+    if warmup:
+      self.engine.warmup(source()[1])
+    self.dispatcher = Dispatcher(self.engine, source, seed=seed, max_queue=max_queue).start()
+    template = getattr(tokenizer, "chat_template", None)
+    self.tool_format = tool_format(template)
+    self.created = int(time.time())
+    self.app = Starlette(routes=[
+        Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+        Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+        Route("/v1/models", self._guard(self.models), methods=["GET"]),
+        Route("/health", self._guard(self.health), methods=["GET"])],
+        exception_handlers={HTTPException: _http_error})
+    self._uvicorn: uvicorn.Server | None = None
+    self._thread: threading.Thread | None = None
+    self.error: BaseException | None = None
+
+  # -- serving --------------------------------------------------------------------------------
+
+  def _config(self, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
+                          access_log=False, timeout_graceful_shutdown=5)
+
+  def start(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> OpenAIServer:
+    """Serves on a thread; returns once it listens (`port=0`: an ephemeral port, see `url`)."""
+    self._uvicorn = uvicorn.Server(self._config(host, port))
+
+    def main():
+      try:
+        self._uvicorn.run()
+      except BaseException as e:  # noqa: BLE001  (reported by start and check)
+        self.error = e
+
+    self._thread = threading.Thread(target=main, name="jaxrl-openai-http", daemon=True)
+    self._thread.start()
+    t0 = time.monotonic()
+    while not self._uvicorn.started:
+      if self.error is not None or not self._thread.is_alive():
+        raise RuntimeError(f"the OpenAI server did not start on {host}:{port}: "
+                           f"{self.error!r}") from self.error
+      if time.monotonic() - t0 > timeout:
+        raise TimeoutError(f"the OpenAI server did not start on {host}:{port} in {timeout} s")
+      time.sleep(0.01)
+    return self
+
+  def serve(self, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serves on this thread until interrupted (SIGINT/SIGTERM)."""
+    try:
+      uvicorn.Server(self._config(host, port)).run()
+    finally:
+      self.dispatcher.close()
+
+  @property
+  def port(self) -> int:
+    return self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+  @property
+  def url(self) -> str:
+    """Base URL for an OpenAI client (`.../v1`)."""
+    host = self._uvicorn.config.host
+    return f"http://{host}:{self.port}/v1"
+
+  def check(self) -> None:
+    """Raises if the HTTP or the engine thread died."""
+    if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
+      raise RuntimeError(f"the OpenAI HTTP thread died: {self.error!r}")
+    if not self.dispatcher.alive():
+      raise RuntimeError(f"the engine thread died: {self.dispatcher.error!r}")
+
+  def stop(self) -> None:
+    if self._uvicorn is not None:
+      self._uvicorn.should_exit = True
+      if self._thread is not None:
+        self._thread.join(30)
+    self.dispatcher.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.stop()
+
+  # -- handlers -------------------------------------------------------------------------------
+
+  def _guard(self, handler):
+    async def endpoint(request: Request):
+      try:
+        return await handler(request)
+      except RequestError as e:
+        return JSONResponse(R.error_body(str(e), param=e.param, code=e.code), e.status)
+      except ServerBusy as e:
+        return JSONResponse(R.error_body(f"server busy: {e}", type_="rate_limit_error",
+                                         code="server_busy"), 429)
+      except Exception as e:  # noqa: BLE001  (one request fails; the server keeps serving)
+        if not self.dispatcher.alive():
+          return JSONResponse(R.error_body(f"the engine thread failed: {self.dispatcher.error!r}",
+                                           type_="server_error"), 503)
+        return JSONResponse(R.error_body(f"{type(e).__name__}: {e}", type_="server_error"), 500)
+    return endpoint
+
+  async def _body(self, request: Request) -> dict:
+    try:
+      body = json.loads(await request.body())
+    except ValueError as e:
+      raise RequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model != self.model:
+      raise RequestError(f"the model {model!r} does not exist; this server serves "
+                         f"{self.model!r}", status=404, param="model", code="model_not_found")
+    return body
+
+  def _check_length(self, prompt: list[int], param: str) -> None:
+    if not prompt:
+      raise RequestError("the prompt is empty", param=param)
+    if len(prompt) > self.engine.max_prompt_len:
+      raise RequestError(f"the prompt has {len(prompt)} tokens; this server's context takes "
+                         f"at most {self.engine.max_prompt_len} prompt tokens", param=param,
+                         code="context_length_exceeded")
+
+  async def _generate(self, prompt: list[int], s: dict) -> list:
+    futures = [self.dispatcher.submit(Job(prompt, s["temperature"], s["top_p"], s["top_k"]))
+               for _ in range(s["n"])]
+    done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    return [R.finish(self.tokenizer, c, s["max_tokens"], s["stop"]) for c in done]
+
+  async def models(self, request: Request):
+    return JSONResponse({"object": "list", "data": [
+        {"id": self.model, "object": "model", "created": self.created, "owned_by": "jaxrl",
+         "max_model_len": self.engine.max_prompt_len + self.engine.max_new_tokens}]})
+
+  async def health(self, request: Request):
+    self.check()
+    return JSONResponse({"status": "ok", "batches": self.dispatcher.batches,
+                         "rows": self.dispatcher.rows})
+
+  async def chat(self, request: Request):
+    body = await self._body(request)
+    messages = template_messages(body.get("messages"))
+    tools = check_tools(body.get("tools"))
+    if body.get("tool_choice") == "none":
+      tools = None
+    s = R.sampling(body, self.engine.max_new_tokens)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+      raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    try:
+      prompt = render_prompt(self.tokenizer, messages, tools, **kwargs)
+    except (ChatTemplateError, TypeError) as e:
+      raise RequestError(f"the chat template cannot render these messages: {e}",
+                         param="messages") from None
+    self._check_length(prompt, "messages")
+    results = await self._generate(prompt, s)
+    choices = []
+    for i, (c, text, reason) in enumerate(results):
+      content, calls = (parse_tool_calls(text, self.tool_format) if tools else (text, []))
+      message = {"role": "assistant", "content": content}
+      if calls:
+        message["tool_calls"], reason = calls, "tool_calls"
+      choices.append({"index": i, "message": message, "finish_reason": reason,
+                      "logprobs": R.chat_logprobs(self.tokenizer, c) if body.get("logprobs")
+                      else None, **R.exact_fields(prompt, c)})
+    out = R.chat_response(self.model, prompt, choices)
+    if body.get("stream"):
+      return _sse(self._chat_chunks(out, results, bool(body.get("logprobs")),
+                                    (body.get("stream_options") or {}).get("include_usage")))
+    return JSONResponse(out)
+
+  def _chat_chunks(self, out: dict, results, logprobs: bool, include_usage: bool):
+    head = {k: out[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for ch, (c, text, _) in zip(out["choices"], results):
+      i = ch["index"]
+      yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None, "logprobs": None}],
+             "prompt_token_ids": out["prompt_token_ids"]}
+      calls = ch["message"].get("tool_calls")
+      pieces = ([ch["message"]["content"] or ""] + [""] * (len(c.tokens) - 1) if calls
+                else R.text_pieces(self.tokenizer, c.tokens, text))
+      lps = ch["logprobs"]["content"] if logprobs else None
+      for k, (t, piece) in enumerate(zip(c.tokens, pieces)):
+        yield {**head, "choices": [{
+            "index": i, "delta": {"content": piece}, "finish_reason": None,
+            "logprobs": {"content": [lps[k]], "refusal": None} if lps else None,
+            "token_ids": [t], "policy_versions": [c.versions[k]]}]}
+      if calls:
+        yield {**head, "choices": [{"index": i, "finish_reason": None, "logprobs": None,
+                                    "delta": {"tool_calls": [{"index": j, **call} for j, call
+                                                             in enumerate(calls)]}}]}
+      yield {**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
+                                  "logprobs": None}]}
+    if include_usage:
+      yield {**head, "choices": [], "usage": out["usage"]}
+
+  def _completion_prompts(self, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+      return [self.tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+      return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p))
+        for p in prompt):
+      return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    raise RequestError("prompt must be a string, a list of token ids, or a list of either",
+                       param="prompt")
+
+  async def completions(self, request: Request):
+    body = await self._body(request)
+    prompts = self._completion_prompts(body.get("prompt"))
+    vocab = getattr(self.tokenizer, "vocab_size", None)
+    for p in prompts:
+      self._check_length(p, "prompt")
+      if vocab is not None and any(not 0 <= t < vocab for t in p):
+        raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    if body.get("echo"):
+      raise RequestError("echo is not supported", param="echo")
+    s = R.sampling(body, self.engine.max_new_tokens)
+    per_prompt = await asyncio.gather(*(self._generate(p, s) for p in prompts))
+    choices = []
+    for p, results in zip(prompts, per_prompt):
+      for c, text, reason in results:
+        choices.append({"index": len(choices), "text": text, "finish_reason": reason,
+                        "logprobs": R.completion_logprobs(self.tokenizer, c)
+                        if body.get("logprobs") is not None else None, **R.exact_fields(p, c)})
+    done = sum(len(ch["token_ids"]) for ch in choices)
+    out = {"id": R.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+           "model": self.model, "choices": choices,
+           "usage": R.usage(sum(len(p) for p in prompts) * s["n"], done)}
+    if body.get("stream"):
+      return _sse(self._completion_chunks(out, [r for rs in per_prompt for r in rs]))
+    return JSONResponse(out)
+
+  def _completion_chunks(self, out: dict, results):
+    head = {k: out[k] for k in ("id", "object", "created", "model")}
+    for ch, (c, text, _) in zip(out["choices"], results):
+      for k, (t, piece) in enumerate(zip(c.tokens, R.text_pieces(self.tokenizer, c.tokens,
+                                                                 text))):
+        yield {**head, "choices": [{"index": ch["index"], "text": piece, "finish_reason": None,
+                                    "logprobs": None, "token_ids": [t],
+                                    "policy_versions": [c.versions[k]]}]}
+      yield {**head, "choices": [{"index": ch["index"], "text": "", "logprobs": None,
+                                  "finish_reason": ch["finish_reason"]}]}
+
+
+def _sse(chunks) -> StreamingResponse:
+  async def events():
+    for chunk in chunks:
+      yield f"data: {json.dumps(chunk)}\n\n"
+      await asyncio.sleep(0)  # a disconnected client's stream is cancelled here
+    yield "data: [DONE]\n\n"
+  return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _http_error(request: Request, exc: HTTPException):
+  return JSONResponse(R.error_body(exc.detail, code=str(exc.status_code)), exc.status_code)
