@@ -14,7 +14,7 @@ request models that duplicate the OpenAI schema without checking more than `resp
 and aiohttp would bring its own server and event loop conventions where uvicorn is the one
 serving stack the rest of the ecosystem (vLLM, SGLang) runs on.
 
-Threads: uvicorn runs its event loop on one thread (`start`) or the caller's (`serve`); the
+Threads: uvicorn runs its event loop on one thread (`start`; `wait` blocks on it); the
 engine runs on the dispatcher's thread, which batches every client's requests (`dispatcher`).
 Both are supervised: a dead engine thread turns every request into a 503 naming its error, and
 `start` raises if uvicorn does not come up. Requests beyond `max_queue` waiting get a 429.
@@ -113,12 +113,18 @@ class OpenAIServer:
       time.sleep(0.01)
     return self
 
-  def serve(self, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serves on this thread until interrupted (SIGINT/SIGTERM)."""
+  def wait(self) -> None:
+    """Blocks until the HTTP thread ends (Ctrl-C stops the server); raises if it died."""
     try:
-      uvicorn.Server(self._config(host, port)).run()
+      while self._thread.is_alive():
+        self._thread.join(0.5)
+        if not self.dispatcher.alive():
+          self.stop()
+    except KeyboardInterrupt:
+      pass
     finally:
-      self.dispatcher.close()
+      self.stop()
+    self.check_engine()
 
   @property
   def port(self) -> int:
@@ -134,7 +140,10 @@ class OpenAIServer:
     """Raises if the HTTP or the engine thread died."""
     if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
       raise RuntimeError(f"the OpenAI HTTP thread died: {self.error!r}")
-    if not self.dispatcher.alive():
+    self.check_engine()
+
+  def check_engine(self) -> None:
+    if self.dispatcher.error is not None:
       raise RuntimeError(f"the engine thread died: {self.dispatcher.error!r}")
 
   def stop(self) -> None:
