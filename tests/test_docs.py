@@ -209,7 +209,8 @@ def make_gsm8k(path: Path, rows: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,script,flags", runnable_blocks(), ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize("where,script,flags",
+                         [pytest.param(*block, id=block[0]) for block in runnable_blocks()])
 def test_runnable_block_runs_on_cpu(tmp_path, where, script, flags):
   (tmp_path / "configs").symlink_to(ROOT / "jaxrl" / "recipes")
   if QWEN_DIR in script or "qwen2_5_0_5b" in script:
