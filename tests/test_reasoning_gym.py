@@ -2,7 +2,7 @@
 scorer on hand-checked rows, seeded disjoint splits, config errors before anything is built, a
 tiny run on a mixture of two datasets, and the message when reasoning-gym is not installed.
 
-Every test but the last needs the `reasoning_gym` extra (`pip install -e ".[dev,reasoning_gym]"`)
+Every test but the last needs the `reasoning-gym` extra (`pip install -e ".[dev,reasoning-gym]"`)
 and is marked `reasoning_gym`: CI runs them in their own step (`pytest -m reasoning_gym -n 0`),
 and they are skipped where the extra is not installed.
 """
@@ -208,4 +208,4 @@ def test_naming_a_reasoning_gym_task_without_the_package_is_a_config_error():
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines() == [
       "config.task.name: task 'reasoning_gym:leg_counting' needs the reasoning-gym package, "
-      "which is not installed: pip install \"jaxrl[reasoning_gym]\""], proc.stdout
+      "which is not installed: pip install -e \".[reasoning-gym]\""], proc.stdout

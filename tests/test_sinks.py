@@ -387,5 +387,5 @@ def test_a_missing_package_names_its_pip_extra(tmp_path):
     del sinks.BACKENDS["test_missing"]
   assert e.value.problems == [
       "config.logging.backends: backend 'test_missing' needs the jaxrl_no_such_package package, "
-      "which is not installed (pip install 'jaxrl[nope]')"]
+      "which is not installed (pip install -e \".[nope]\")"]
   assert not (tmp_path / "run").exists()

@@ -18,6 +18,12 @@ from jaxrl.core.errors import UserError
 USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                   NotADirectoryError)
 DEBUG_ENV = "JAXRL_DEBUG"
+# Optional modules by the pyproject extra that installs them (hyphenated names: the spelling
+# every pip accepts).
+EXTRA_OF = {"safetensors": "hf", "tokenizers": "hf", "jinja2": "hf", "math_verify": "math",
+            "tensorboardX": "tensorboard", "wandb": "wandb", "reasoning_gym": "reasoning-gym",
+            "torch": "parity", "transformers": "parity", "peft": "parity", "starlette": "serve",
+            "uvicorn": "serve", "openai": "serve"}
 
 
 def debug_env(environ=os.environ) -> bool:
@@ -80,11 +86,15 @@ def os_error_text(e: OSError) -> str:
 
 
 def user_message(e: BaseException) -> str | None:
-  """The `jaxrl: ...` text of a config error, a `UserError` or a file error; None otherwise."""
+  """The `jaxrl: ...` text of a config error, a `UserError`, a file error or a missing optional
+  module (naming its extra); None otherwise."""
   if isinstance(e, ConfigError):
     return config_error_text(e)
   if isinstance(e, UserError):
     return f"jaxrl: {e}"
   if isinstance(e, USER_OS_ERRORS):
     return f"jaxrl: {os_error_text(e)}"
+  if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in EXTRA_OF:
+    extra = EXTRA_OF[e.name.split(".")[0]]
+    return f"jaxrl: {e.name} is not installed (the {extra} extra): pip install -e \".[{extra}]\""
   return None

@@ -117,8 +117,10 @@ def _os_error_text(e: OSError) -> str:
 
 def user_message(e: BaseException) -> str | None:
   """The `jaxrl: ...` text for an error the user can fix; None for anything else (a bug)."""
-  if isinstance(e, (config_lib.ConfigError, UserError)):
-    return common.user_message(e)
+  if isinstance(e, (config_lib.ConfigError, UserError, ModuleNotFoundError)):
+    message = common.user_message(e)
+    if message is not None:
+      return message
   # A user error on the rollout thread (a bad row, too many rows skipped) reaches the trainer
   # as the pipeline's WorkerFailed, caused by it (imported here: a bad flag's message comes
   # before jax is imported).

@@ -7,6 +7,7 @@ problem, starting with the full `config.` key.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -30,6 +31,21 @@ HF_ARCHITECTURE_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num
                         "tie_embeddings", "init_std")
 
 
+# The `hf` extra's modules: a Hugging Face model's weights, tokenizer and chat template.
+HF_EXTRA_MODULES = ("safetensors", "tokenizers", "jinja2")
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+  """Those of `names` that cannot be imported."""
+  out = []
+  for name in names:
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      out.append(name)
+  return out
+
+
 def check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> None:
   """A Hugging Face model directory: present, complete enough to start, and not contradicted.
 
@@ -43,6 +59,11 @@ def check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> 
     return
   if not os.path.isdir(path):
     problems.append(f"{p}model.hf_path: no directory {path!r}")
+    return
+  missing = missing_modules(HF_EXTRA_MODULES)
+  if missing:
+    problems.append(f"{p}model.hf_path: a Hugging Face model needs the hf extra "
+                    f"({', '.join(missing)} not installed): pip install -e \".[hf]\"")
     return
   for name in ("config.json", "tokenizer.json"):
     if not os.path.isfile(os.path.join(path, name)):

@@ -11,7 +11,7 @@ task with demonstrations. Built in:
   math       single turn  GSM8K-style final-answer check (exact, or math-verify if installed)
   guess      multi-turn   find a secret number from higher/lower hints
   reasoning_gym:<dataset>  single turn  a reasoning-gym dataset, graded by its own scorer
-             (optional: `pip install "jaxrl[reasoning_gym]"`; registered when first named)
+             (optional: `pip install -e ".[reasoning-gym]"`; registered when first named)
 """
 
 from jaxrl.envs.arithmetic import AddEnvironment, AddSource, AdditionTask, Problem

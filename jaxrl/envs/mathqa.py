@@ -16,8 +16,8 @@ NOT stripped, so a boxed "18 dollars" is not "18" here), then compare as exact F
 read as numbers - integers, decimals, "a/b" and \\frac{a}{b} - else as strings. A percent sign
 is dropped, not divided by 100: "50%" equals "50" (GSM8K writes percent answers as bare
 numbers), not "0.5". Only a pair the fallback rejects goes to the `math-verify` package when it
-is importable (`pip install jaxrl[math]`), which also accepts e.g. 2^{10} for 1024, \\sqrt{4} for
-2 or "18 \\text{ dollars}" for 18; `use_math_verify=False` forces the fallback alone.
+is importable (`pip install -e ".[math]"`), which also accepts e.g. 2^{10} for 1024,
+\\sqrt{4} for 2 or "18 \\text{ dollars}" for 18; `use_math_verify=False` forces the fallback alone.
 
 A pair of plain integers (up to 15 digits, no "%") that the fallback rejects is final, since
 math-verify compares integers exactly too: wrong GSM8K answers cost no symbolic parse. Verdicts
@@ -190,7 +190,7 @@ class _MathVerify:
   CACHE = 4096  # golds / verdicts kept; both caches start over when full
 
   def __init__(self, timeout_s: int):
-    import math_verify  # an optional dependency: jaxrl[math]
+    import math_verify  # an optional dependency: the math extra
     self.mv = math_verify
     self.timeout_s = timeout_s
     self._gold: dict[str, Any] = {}

@@ -1,6 +1,7 @@
 """`reasoning_gym:<dataset>`: one of reasoning-gym's procedurally generated datasets as a jaxrl
 task (single turn), graded by the dataset's own verifier. reasoning-gym is optional
-(`pip install "jaxrl[reasoning_gym]"`): nothing here imports it until such a task is named.
+(`pip install -e ".[reasoning-gym]"` from a clone): nothing here imports it until such a task is
+named.
 
 Any dataset of `reasoning_gym.factory.DATASETS` is a task name, alone or mixed with others
 (`task.name=reasoning_gym:basic_arithmetic+reasoning_gym:leg_counting`, `task.weights`). The
@@ -61,7 +62,7 @@ from jaxrl.envs.base import StepResult, Task, Turn, single_turn_result
 from jaxrl.envs.registry import register, register_family
 
 PREFIX = "reasoning_gym:"
-INSTALL = 'pip install "jaxrl[reasoning_gym]"'
+INSTALL = 'pip install -e ".[reasoning-gym]"'
 KEY = "config.task.rg_config"
 TRAIN_SIZE = 10_000  # training rows of a dataset whose `task.rg_config` gives no `size`
 MAX_REDRAWS = 1000  # training draws per row whose question is held out, before giving up
@@ -73,7 +74,7 @@ BASE_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n
 
 def dataset_names() -> list[str]:
   """reasoning-gym's dataset names; ImportError when it is not installed."""
-  from reasoning_gym.factory import DATASETS  # optional: jaxrl[reasoning_gym]
+  from reasoning_gym.factory import DATASETS  # optional: the reasoning-gym extra
   return sorted(DATASETS)
 
 

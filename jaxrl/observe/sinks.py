@@ -103,7 +103,7 @@ def missing_packages(text: str) -> list[str]:
   for name in parse_backends(text):
     b = BACKENDS.get(name)
     if b is not None and b.module and importlib.util.find_spec(b.module) is None:
-      how = f"pip install 'jaxrl[{b.extra}]'" if b.extra else f"pip install {b.module}"
+      how = f'pip install -e ".[{b.extra}]"' if b.extra else f"pip install {b.module}"
       out.append(f"config.{KEY}: backend {name!r} needs the {b.module} package, which is not "
                  f"installed ({how})")
   return out
