@@ -36,6 +36,16 @@ class TaskRow(Protocol):
 
 @runtime_checkable
 class TaskSource(Protocol):
+  """What a task's source (`jaxrl.envs.register(name, source=...)`) must provide; checked when
+  the task's source is built (`check_source`), before the run writes anything.
+
+  name: the task's name (messages, `MixedSource`'s name).
+  alphabet: every character its prompts, answers and observations can hold (a tiny model's
+    character tokenizer is built over it; "" is allowed with a Hugging Face tokenizer).
+  split(name): all rows of split `name` ("train", "val"; "dev" for the warm-up), fixed order.
+  sample(rng, n): `n` training rows drawn with replacement, deterministic given `rng`.
+  `SplitSource` provides `split` and `sample` over `self._splits`.
+  """
   name: str
   alphabet: str
 
@@ -46,6 +56,43 @@ class TaskSource(Protocol):
   def sample(self, rng: np.random.Generator, n: int) -> list[TaskRow]:
     """n training rows drawn with replacement (deterministic given rng)."""
     ...
+
+
+# The attributes of `TaskSource`: (name, what it must be).
+SOURCE_ATTRIBUTES = (("name", "a str"), ("alphabet", "a str"), ("split", "a method"),
+                     ("sample", "a method"))
+
+
+class TaskSourceError(UserError, TypeError):
+  """A task's source that is not a `TaskSource`: the message names the task and what is
+  missing."""
+
+
+def source_problems(source: object, methods_only: bool = False) -> list[str]:
+  """What `source` lacks of `TaskSource`, one entry per attribute ("alphabet", "split (not a
+  method)"); `methods_only` for a class, whose str attributes may be set per instance."""
+  out = []
+  for attr, kind in SOURCE_ATTRIBUTES:
+    if methods_only and kind != "a method":
+      continue
+    if not hasattr(source, attr):
+      out.append(attr)
+    elif kind == "a str" and not isinstance(getattr(source, attr), str):
+      out.append(f"{attr} (not a str)")
+    elif kind == "a method" and not callable(getattr(source, attr)):
+      out.append(f"{attr} (not a method)")
+  return out
+
+
+def check_source(task: str, source: object) -> None:
+  """Raises `TaskSourceError` naming what `source`, task `task`'s source, lacks of
+  `TaskSource`."""
+  missing = source_problems(source)
+  if missing:
+    raise TaskSourceError(
+        f"task {task!r}: its source {type(source).__name__} has no {', '.join(missing)}; a task "
+        "source has name and alphabet (str), split(name) and sample(rng, n) "
+        "(jaxrl.data.sources.TaskSource)")
 
 
 def alphabet_of(texts: Iterable[str], base: str = "") -> str:

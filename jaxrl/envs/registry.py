@@ -65,6 +65,13 @@ def register(name: str, *, source: Callable[[Any], Any] | None = None,
   """
   if not isinstance(name, str) or not name or "+" in name:
     raise ValueError(f"a task name is a non-empty string without '+', got {name!r}")
+  if isinstance(source, type):  # a class: its methods can be checked now, the rest when built
+    from jaxrl.data.sources import source_problems
+
+    missing = source_problems(source, methods_only=True)
+    if missing:
+      raise ValueError(f"task {name!r}: source {source.__name__} has no {', '.join(missing)} "
+                       "(jaxrl.data.sources.TaskSource)")
 
   def deco(cls: type) -> type:
     old = TASKS.get(name)
@@ -139,12 +146,17 @@ def make_env(name: str, **kwargs: Any):
 
 
 def make_source(name: str, cfg: Any):
-  """The rows of task `name` for run config `cfg` (its registered `source`)."""
+  """The rows of task `name` for run config `cfg` (its registered `source`), checked against
+  `jaxrl.data.sources.TaskSource` (`TaskSourceError` names what it lacks)."""
   _resolved(name)
+  from jaxrl.data.sources import check_source
+
   reg = TASKS.get(name)
   if reg is None or reg.source is None:
     raise KeyError(f"unknown task {name!r}; registered: {list(task_names())}")
-  return reg.source(cfg)
+  source = reg.source(cfg)
+  check_source(name, source)  # one line naming what is missing, not an AttributeError later
+  return source
 
 
 def task_problems(names: list[str], values: Mapping[str, Any]) -> list[str]:
