@@ -8,8 +8,13 @@ import textwrap
 
 import pytest
 
-from jaxrl.data.sources import (SOURCE_ATTRIBUTES, TaskSource, TaskSourceError, check_source,
-                                source_problems)
+from jaxrl.data.sources import (
+  SOURCE_ATTRIBUTES,
+  TaskSource,
+  TaskSourceError,
+  check_source,
+  source_problems,
+)
 from jaxrl.envs import registry
 from jaxrl.recipes.default import get_config
 
