@@ -100,3 +100,24 @@ def test_debug_flag_shows_the_traceback(tmp_path):
   loud = subprocess.run([*args, "--debug"], capture_output=True, text=True, timeout=120)
   assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
   assert loud.returncode == 1 and "Traceback" in loud.stderr and "RecipeError" in loud.stderr
+
+
+def test_recipe_returning_a_plain_dict_is_one_line(tmp_path):
+  (tmp_path / "plain.py").write_text(
+      "def get_config():\n  return {'seed': 1, 'train': {'steps': 3}}\n")
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.train", "--config", "plain.py"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "jaxrl: config file plain.py: get_config() returned a plain dict without "), lines
+  assert "start from jaxrl.recipes.default.get_config()" in lines[0]
+  # A whole config as a dict (e.g. a saved config.json's) is still a config.
+  (tmp_path / "whole.py").write_text(
+      "from jaxrl.recipes.default import get_config as base\n"
+      "def get_config():\n  c = base().to_dict()\n  c['train']['steps'] = 3\n  return c\n")
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.train", "--config", "whole.py",
+                         "--print_config"], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "--config.train.steps=3  (default 600)" in proc.stdout
