@@ -77,10 +77,10 @@ def _console_script():
 
 
 @pytest.mark.parametrize("args", [
-    ["--help"], ["-h"], ["--no_such_flag"], ["--config.train.steps=0"],
+    ["--help"], ["-h"], ["--helpfull"], ["--no_such_flag"], ["--config.train.steps=0"],
     ["--config.trian.steps=3", "--config.seed=-1"], ["stray"],
     ["--config", "/nonexistent/recipe.py"]],
-    ids=["help", "h", "unknown-flag", "one-problem", "two-problems", "stray-arg", "no-recipe"])
+    ids=["help", "h", "helpfull", "unknown-flag", "one-problem", "two-problems", "stray-arg", "no-recipe"])
 def test_console_script_is_the_module(tmp_path, args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   a = subprocess.run([sys.executable, "-m", "jaxrl.train", *args], cwd=tmp_path, env=env,
@@ -88,7 +88,7 @@ def test_console_script_is_the_module(tmp_path, args):
   b = subprocess.run([_console_script(), *args], cwd=tmp_path, env=env, capture_output=True,
                      text=True, timeout=120)
   assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr)
-  assert a.returncode == (0 if args[0] in ("--help", "-h") else 1)
+  assert a.returncode == (0 if args[0] in ("--help", "-h", "--helpfull") else 1)
   if a.returncode:
     assert a.stderr.startswith("jaxrl: ") and "Traceback" not in a.stderr, a.stderr
   assert list(tmp_path.iterdir()) == []

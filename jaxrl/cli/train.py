@@ -84,6 +84,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   if any(a in _HELP_FLAGS for a in argv[1:]):
     print(help_text())
     sys.exit(0)
+  if "--helpfull" in argv[1:]:  # absl's every flag (its own handler exits 1)
+    print(f"{help_text()}\n\nevery flag:\n{flags.FLAGS.get_help()}")
+    sys.exit(0)
   _OVERRIDES[:] = [a for a in argv[1:] if a.startswith("--config.")]
   try:
     return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
