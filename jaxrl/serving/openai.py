@@ -22,11 +22,17 @@ Both are supervised: a dead engine thread turns every request into a 503 naming 
 Streaming sends the reply as server-sent events, one chunk per generated token, once the reply's
 row has finished in the engine (the engine hands out whole rows). A client that disconnects
 mid-stream only loses its own stream.
+
+Episodes (`open_episode`): requests under `/episodes/<id>/v1/...` are also recorded, reply by
+reply, with the exact prompt and completion tokens, log-probs and versions, and sample with the
+episode's settings; an agent task hands its function a client with that base URL
+(`jaxrl.serving.agents`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -44,7 +50,16 @@ from jaxrl.rollout.engine import Engine
 from jaxrl.serving import responses as R
 from jaxrl.serving.chat_tools import (RequestError, check_tools, parse_tool_calls, render_prompt,
                                       template_messages, tool_format)
-from jaxrl.serving.dispatcher import Dispatcher, Job, ServerBusy
+from jaxrl.serving.dispatcher import Completion, Dispatcher, Job, ServerBusy
+
+
+@dataclasses.dataclass
+class EpisodeLog:
+  """The requests of one agent episode: its forced sampling settings and, per reply in order,
+  (prompt token ids, the completion as returned)."""
+
+  sampling: dict
+  turns: list = dataclasses.field(default_factory=list)
 
 
 class OpenAIServer:
@@ -79,8 +94,15 @@ class OpenAIServer:
         Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
         Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
         Route("/v1/models", self._guard(self.models), methods=["GET"]),
-        Route("/health", self._guard(self.health), methods=["GET"])],
+        Route("/health", self._guard(self.health), methods=["GET"]),
+        Route("/episodes/{episode}/v1/chat/completions", self._guard(self.chat),
+              methods=["POST"]),
+        Route("/episodes/{episode}/v1/completions", self._guard(self.completions),
+              methods=["POST"]),
+        Route("/episodes/{episode}/v1/models", self._guard(self.models), methods=["GET"])],
         exception_handlers={HTTPException: _http_error})
+    # Episodes being recorded (`open_episode`): id -> its log.
+    self.episodes: dict[str, EpisodeLog] = {}
     self._uvicorn: uvicorn.Server | None = None
     self._thread: threading.Thread | None = None
     self.error: BaseException | None = None
@@ -159,6 +181,31 @@ class OpenAIServer:
   def __exit__(self, *exc):
     self.stop()
 
+  # -- episodes -------------------------------------------------------------------------------
+
+  def open_episode(self, episode: str, **sampling) -> str:
+    """Starts recording requests under `/episodes/<episode>/v1` (-> that base URL). `sampling`
+    (temperature, top_p, top_k) replaces what the requests ask for, so a trainer knows the
+    distribution its tokens came from."""
+    self.episodes[episode] = EpisodeLog(dict(sampling))
+    return f"{self.url[:-len('/v1')]}/episodes/{episode}/v1"
+
+  def close_episode(self, episode: str) -> list[tuple[list[int], Completion]]:
+    """Stops recording; -> every reply of the episode, in order, as (prompt ids, completion)."""
+    return self.episodes.pop(episode).turns
+
+  def _episode(self, request: Request, s: dict) -> EpisodeLog | None:
+    eid = request.path_params.get("episode")
+    if eid is None:
+      return None
+    log = self.episodes.get(eid)
+    if log is None:
+      raise RequestError(f"no episode {eid!r} is being recorded", status=404)
+    if s["n"] != 1:
+      raise RequestError("an episode's requests take n=1", param="n")
+    s.update(log.sampling)
+    return log
+
   # -- handlers -------------------------------------------------------------------------------
 
   def _guard(self, handler):
@@ -185,7 +232,7 @@ class OpenAIServer:
     if not isinstance(body, dict):
       raise RequestError("the request body must be a JSON object")
     model = body.get("model")
-    if model != self.model:
+    if model != self.model and "episode" not in request.path_params:
       raise RequestError(f"the model {model!r} does not exist; this server serves "
                          f"{self.model!r}", status=404, param="model", code="model_not_found")
     return body
@@ -230,7 +277,10 @@ class OpenAIServer:
       raise RequestError(f"the chat template cannot render these messages: {e}",
                          param="messages") from None
     self._check_length(prompt, "messages")
+    log = self._episode(request, s)
     results = await self._generate(prompt, s)
+    if log is not None:
+      log.turns.append((prompt, results[0][0]))
     choices = []
     for i, (c, text, reason) in enumerate(results):
       content, calls = (parse_tool_calls(text, self.tool_format) if tools else (text, []))
@@ -295,7 +345,12 @@ class OpenAIServer:
     if body.get("echo"):
       raise RequestError("echo is not supported", param="echo")
     s = R.sampling(body, self.engine.max_new_tokens)
+    log = self._episode(request, s)
+    if log is not None and len(prompts) != 1:
+      raise RequestError("an episode's requests take one prompt", param="prompt")
     per_prompt = await asyncio.gather(*(self._generate(p, s) for p in prompts))
+    if log is not None:
+      log.turns.append((prompts[0], per_prompt[0][0][0]))
     choices = []
     for p, results in zip(prompts, per_prompt):
       for c, text, reason in results:

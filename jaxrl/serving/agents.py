@@ -1,0 +1,205 @@
+"""Agents as a task: a user's async function, written against the `openai` client, plays each
+episode; the server records every request, and the episode becomes a trajectory.
+
+    async def solve(client: openai.AsyncOpenAI, task) -> float | dict[str, float]: ...
+
+`load_agent("agent:<module>:<function>")` imports it. `AgentLoop` has the multi-turn loop's `run`
+(`jaxrl.rollout.multi_turn.MultiTurn.run`: tasks, G samples each -> `Episodes`), so the
+producer, the data plane and the trainer take its rows unchanged:
+
+- Each episode gets its own `openai.AsyncOpenAI` whose base URL is the run's server under
+  `/episodes/<id>/v1`: every reply is recorded there (`OpenAIServer.open_episode`) with its exact
+  prompt and completion tokens, log-probs and per-token policy versions; the episode samples with
+  the run's temperature, top-k and top-p whatever a request asks (the trainer recomputes
+  log-probs at that temperature). Any model name is accepted.
+- Trajectory (`trajectory`): the first request's prompt is the row's prompt; its reply, then for
+  each later request the tokens its prompt adds after everything so far (the tool results, the
+  next user turn: context, never trained) and its reply (trained). A request whose prompt does
+  not extend the previous prompt + reply token for token (the template re-rendered history
+  differently, or the agent rewrote it) starts a new segment: the tokens are never re-tokenised
+  to force a fit. The row is the first segment; later segments are counted in
+  `Episodes.metadata["agent_segments"]` and not trained (see docs/serving.md).
+- Reward: the function's return value; a dict is a set of named components summed into the
+  reward.
+- `max_concurrency` episodes run at once; each has `timeout_s`. An episode that raises, times out,
+  returns a non-number or whose first prompt does not fit `max_prompt_len` fails: it is logged
+  with its error, gets a NaN reward and no loss mask, as a failed environment row does.
+- Forced lag: `run(params, ..., version)` serves every request of the batch with `params`,
+  stamped `version`, which the producer gives as the batch's version (b - L at lag L).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import math
+import uuid
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxrl.data.tokenizer import left_pad
+from jaxrl.envs.base import Task
+from jaxrl.rollout.multi_turn import Budget, Episodes
+from jaxrl.serving.dispatcher import Completion
+
+PREFIX = "agent:"
+log = logging.getLogger("jaxrl.agents")
+
+
+def load_agent(name: str) -> Callable:
+  """The async function `agent:<module>:<function>` names; ValueError naming what is wrong."""
+  if not name.startswith(PREFIX) or name.count(":") != 2:
+    raise ValueError(f"task {name!r}: an agent task is named agent:<module>:<function>")
+  _, module, function = name.split(":")
+  try:
+    mod = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"task {name!r}: cannot import module {module!r}: {e}") from None
+  fn = getattr(mod, function, None)
+  if fn is None or not asyncio.iscoroutinefunction(fn):
+    raise ValueError(f"task {name!r}: {module}.{function} is not an async function")
+  return fn
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One episode's first segment as a row, and how many segments the episode had."""
+
+  prompt: list[int]
+  tokens: list[int]
+  mask: list[bool]  # generated tokens
+  logprobs: list[float]
+  versions: list[int]
+  segments: int
+  truncated: bool  # cut to the completion budget
+
+
+def trajectory(turns: Sequence[tuple[list[int], Completion]], max_total_tokens: int
+               ) -> Trajectory:
+  """The row of an episode's recorded replies (module docstring)."""
+  prompt, first = turns[0]
+  tokens, mask = list(first.tokens), [True] * len(first.tokens)
+  lps, vers = list(first.logprobs), list(first.versions)
+  segments, extending = 1, True
+  for p, c in turns[1:]:
+    context = prompt + tokens
+    if extending and p[:len(context)] == context:
+      obs = p[len(context):]
+      tokens += obs + list(c.tokens)
+      mask += [False] * len(obs) + [True] * len(c.tokens)
+      lps += [0.0] * len(obs) + list(c.logprobs)
+      vers += [0] * len(obs) + list(c.versions)
+    else:
+      segments, extending = segments + 1, False
+  N = max_total_tokens
+  return Trajectory(prompt, tokens[:N], mask[:N], lps[:N], vers[:N], segments, len(tokens) > N)
+
+
+def reward_of(value) -> tuple[float, dict[str, float]]:
+  """(reward, components) of an agent's return value."""
+  if isinstance(value, dict):
+    parts = {str(k): float(v) for k, v in value.items()}
+    return sum(parts.values()), parts
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"the agent returned {type(value).__name__}; return a float or a dict of "
+                    f"floats")
+  return float(value), {}
+
+
+class AgentLoop:
+  """`MultiTurn`'s `run` over an agent function (module docstring). `server` is a started
+  `OpenAIServer` whose params source is `self.served` (see `serving_source`)."""
+
+  def __init__(self, fn: Callable, server, tokenizer, budget: Budget, group_size: int, *,
+               max_concurrency: int = 16, timeout_s: float = 60.0):
+    self.fn, self.server, self.tok, self.budget, self.G = fn, server, tokenizer, budget, group_size
+    self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
+    self.served: tuple[int, object] | None = None
+
+  def serving_source(self) -> tuple[int, object]:
+    """The params the server generates with: those of the batch being run."""
+    if self.served is None:
+      raise RuntimeError("no agent batch is running")
+    return self.served
+
+  def run(self, params, tasks: Sequence[Task], key, request_base: int, version: int,
+          temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
+    """Plays the G episodes of each task (task-major rows) -> Episodes."""
+    rows = [t for t in tasks for _ in range(self.G)]
+    self.served = (int(version), params)
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    try:
+      outcomes = asyncio.run(self._play(rows, sampling))
+    finally:
+      self.served = None
+    return self._episodes(rows, outcomes)
+
+  async def _play(self, rows: list[Task], sampling: dict) -> list:
+    import openai  # the serve extra
+
+    gate = asyncio.Semaphore(self.max_concurrency)
+
+    async def one(task: Task):
+      eid = uuid.uuid4().hex
+      async with gate:
+        url = self.server.open_episode(eid, **sampling)
+        client = openai.AsyncOpenAI(base_url=url, api_key="jaxrl", max_retries=0,
+                                    timeout=self.timeout_s)
+        try:
+          value = await asyncio.wait_for(self.fn(client, task), self.timeout_s)
+          result = reward_of(value)
+          error = None
+        except asyncio.TimeoutError:
+          result, error = None, f"timeout: no result within agent.timeout_s={self.timeout_s:g}"
+        except Exception as e:  # noqa: BLE001  (the episode fails; the batch goes on)
+          result, error = None, f"error: {type(e).__name__}: {e}"
+        finally:
+          turns = self.server.close_episode(eid)
+          await client.close()
+      if error is None and not turns:
+        error = "error: the agent made no request"
+      if error is not None:
+        log.warning("agent episode of %s failed: %s", task.uid, error)
+      return turns, result, error
+
+    return await asyncio.gather(*(one(t) for t in rows))
+
+  def _episodes(self, rows: list[Task], outcomes: list) -> Episodes:
+    b, B = self.budget, len(rows)
+    N, Lp = b.max_total_tokens, b.max_prompt_len
+    pad = self.tok.pad_id
+    tokens, valid = np.full((B, N), pad, np.int32), np.zeros((B, N), bool)
+    mask, lps = np.zeros((B, N), bool), np.zeros((B, N), np.float32)
+    vers, rewards = np.zeros((B, N), np.int32), np.full(B, np.nan, np.float32)
+    turns, segments = np.zeros(B, np.int32), np.full(B, np.nan, np.float32)
+    truncated, failed, reasons = np.zeros(B, bool), np.zeros(B, bool), [None] * B
+    components: dict[str, np.ndarray] = {}
+    prompts = []
+    for i, (recorded, result, error) in enumerate(outcomes):
+      t = trajectory(recorded, N) if recorded else None
+      if t is not None and len(t.prompt) > Lp:
+        error = (f"error: the first prompt has {len(t.prompt)} tokens, over "
+                 f"rollout.max_prompt_len={Lp}")
+      if error is None and not math.isfinite(result[0]):
+        error = f"error: the agent returned a non-finite reward {result[0]}"
+      prompts.append(t.prompt[-Lp:] if t is not None else [pad])
+      turns[i] = len(recorded)
+      if error is not None:
+        failed[i], reasons[i] = True, error
+        continue
+      n = len(t.tokens)
+      tokens[i, :n], valid[i, :n], mask[i, :n] = t.tokens, True, t.mask
+      lps[i, :n], vers[i, :n] = t.logprobs, t.versions
+      rewards[i], truncated[i], segments[i] = result[0], t.truncated, t.segments
+      for k, v in result[1].items():
+        components.setdefault(k, np.full(B, np.nan, np.float32))[i] = v
+    prompt_tokens, prompt_valid = left_pad(prompts, Lp, pad)
+    return Episodes(
+        tasks=rows, prompt_tokens=prompt_tokens, prompt_valid=prompt_valid, tokens=tokens,
+        valid=valid, mask=mask, logprobs=lps, policy_version=vers, rewards=rewards,
+        components=components, metadata={"agent_segments": segments}, turns=turns,
+        terminated=~failed & ~truncated, truncated=truncated, failed=failed,
+        fail_reasons=reasons, env_calls=0, env_calls_by_env={})
