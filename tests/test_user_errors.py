@@ -263,3 +263,19 @@ def test_user_errors_keep_their_builtin_classes_and_print_one_line():
       "jaxrl: resume path 'x' does not exist"
   assert train.user_message(MemoryError()).startswith("jaxrl: out of host memory")
   assert train.user_message(KeyError("bug")) is None  # a bug keeps its traceback
+
+
+def test_run_time_user_error_on_the_rollout_thread_is_one_line(tmp_path):
+  """Dynamic sampling that cannot fill a batch fails on the rollout thread before the first
+  update, while the train step still compiles on its own thread: one `jaxrl:` line naming the
+  keys, exit status 1, and no traceback or abort from a thread left inside XLA at exit. A tol of
+  1.0 keeps no group: exact-match rewards lie in [0, 1], so max - min never exceeds it."""
+  proc = _train(["--config.sft.enabled=false", "--config.dynamic_sampling.enabled=true",
+                 "--config.dynamic_sampling.tol=1.0", "--config.dynamic_sampling.max_gen_batches=1",
+                 "--config.rollout.num_prompts=8", "--config.train.steps=2",
+                 f"--config.run_dir={tmp_path}/run"], tmp_path, timeout=300)
+  err = proc.stderr
+  assert proc.returncode == 1, (proc.returncode, err)
+  assert "jaxrl: only 0 of 8 groups had reward variance" in err, err
+  assert "dynamic_sampling.max_gen_batches" in err, err
+  assert "Traceback" not in err and "Fatal Python error" not in err, err

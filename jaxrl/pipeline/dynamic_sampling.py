@@ -36,11 +36,13 @@ from typing import Callable
 
 import numpy as np
 
+from jaxrl.core.errors import UserError
 from jaxrl.pipeline.batch_meta import BatchMeta
 
 
-class DynamicSamplingError(RuntimeError):
-  """P groups with reward variance were not found within `dynamic_sampling.max_gen_batches`."""
+class DynamicSamplingError(UserError, RuntimeError):
+  """P groups with reward variance were not found within `dynamic_sampling.max_gen_batches`: the
+  message names the keys to change, so `python -m jaxrl.train` ends with it as one line."""
 
 
 def keep_group(rewards, tol: float) -> bool:

@@ -61,8 +61,15 @@ def run(cfg, run_dir: str, mesh_shape: config_lib.MeshShape, stop=None,
     step = RLStep.build(s.parts, s.params)
     if jax.process_count() == 1:
       step.ahead = CompileAhead(s.parts, (step.fn, step.init_state), s.params)
-    summary = _phases(s, cfg, RunIO(None, s.progress, s.ckpt, stop or (lambda: False),
-                                    run_dir if s.main else None, started, s.main), step)
+    try:
+      summary = _phases(s, cfg, RunIO(None, s.progress, s.ckpt, stop or (lambda: False),
+                                      run_dir if s.main else None, started, s.main), step)
+    finally:
+      # A run that ends before its first update (an error, a signal) still has the compile on
+      # its thread: the interpreter must not exit under it (a thread inside XLA at exit aborts
+      # the process).
+      if step.ahead is not None:
+        step.ahead.wait()
     if summary.get("sft/stopped"):
       return summary
     if summary["rl/stopped_at"] is not None:
