@@ -12,6 +12,8 @@ task with demonstrations. Built in:
   guess      multi-turn   find a secret number from higher/lower hints
   reasoning_gym:<dataset>  single turn  a reasoning-gym dataset, graded by its own scorer
              (optional: `pip install -e ".[reasoning-gym]"`; registered when first named)
+  agent:<module>:<function>  multi-turn  a user's async agent function with an OpenAI client
+             (the serve extra; jaxrl.envs.agent_task, jaxrl.serving.agents)
 """
 
 from jaxrl.envs.arithmetic import AddEnvironment, AddSource, AdditionTask, Problem
@@ -22,6 +24,8 @@ from jaxrl.envs.guess import GuessEnvironment, GuessSource
 from jaxrl.envs.mathqa import MathEnvironment, MathSource
 # Registers the `reasoning_gym:` family; reasoning-gym itself is imported only when one is named.
 from jaxrl.envs import reasoning_gym as _reasoning_gym  # noqa: F401
+# Registers the `agent:` family (task.name=agent:<module>:<function>).
+from jaxrl.envs import agent_task as _agent_task  # noqa: F401
 from jaxrl.envs.registry import (ENVIRONMENTS, TASKS, Registration, make_env, make_source,
                                  register, task_names)
 

@@ -336,6 +336,16 @@ def get_config() -> ConfigDict:
   c.env = ConfigDict()
   c.env.timeout_s = 60.0  # an environment call slower than this fails its rows for the batch
 
+  # Agent tasks (task.name=agent:<module>:<function>, jaxrl.serving.agents): a user's async
+  # function plays each episode through an OpenAI client pointed at the run's own server.
+  c.agent = ConfigDict()
+  # The built-in task whose rows (prompt and data) the agent function is given.
+  c.agent.task = "add"
+  # Episodes played at once.
+  c.agent.max_concurrency = 16
+  # An episode slower than this (seconds) fails and is excluded, like a failed environment row.
+  c.agent.timeout_s = 60.0
+
   # Profiling and the per-step time breakdown (jaxrl.observe.profiling).
   c.profile = ConfigDict()
   # "A:B": a jax.profiler trace of RL steps A..B (inclusive, 1-based) into <run_dir>/profile/,

@@ -28,6 +28,7 @@ from jaxrl import parallel
 from jaxrl.data import left_pad
 from jaxrl.data.sources import CheckedSource, RowProblem, SkipReport
 from jaxrl.envs import make_env
+from jaxrl.envs.agent_task import is_agent
 from jaxrl.models import ModelConfig, abstract_model, init_model
 from jaxrl.models import hf_checkpoint as hf_lib
 from jaxrl.pipeline import DataPlane
@@ -38,6 +39,7 @@ from jaxrl.rollout.samplers import NewestParams, build_samplers
 from jaxrl.learner.step import shard_params
 from jaxrl.run import teacher as teacher_lib
 from jaxrl.run.inputs import make_tokenizer, task_source  # noqa: F401  (re-exported)
+from jaxrl.serving.agents import agent_loop
 from jaxrl.core.types import TrainBatch
 
 
@@ -68,6 +70,8 @@ class Parts:
     """The training rollouts' multi-turn loop; `newest` is the newest-params source of partial
     rollouts (the lag pipeline's). `mesh`: the mesh it generates on, default `rollout_mesh`
     (several processes: each process's own devices, `ProcessShare.mesh`)."""
+    if is_agent(self.cfg.task.name):  # the agent's episodes, through the run's own server
+      return agent_loop(self, self.cfg.rollout.group_size)
     s = build_samplers(self.cfg, self.rollout_graphdef, self.tok, mesh or self.rollout_mesh,
                        newest)
     return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,
@@ -269,4 +273,6 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
                 rollout_graphdef=rollout_graphdef,
                 rollout_shardings=parallel.param_shardings(params, rollout_mesh),
                 data=DataPlane(mesh), budget=budget, val_loop=val_loop, teacher=teacher)
+  if is_agent(cfg.task.name):  # validation plays the agent's episodes too
+    parts = dataclasses.replace(parts, val_loop=agent_loop(parts, cfg.val.samples_per_prompt))
   return parts, params

@@ -1,4 +1,7 @@
-"""Serving jaxrl models through other stacks.
+"""Serving jaxrl models: an OpenAI-compatible HTTP server, agents as a task, and other stacks.
+
+`jaxrl.serving.openai` is the OpenAI-compatible server (the `serve` extra: starlette, uvicorn),
+`jaxrl.serving.agents` the agent task's loop over it (see docs/serving.md).
 
 `jaxrl.serving.jetstream_engine` adapts the slot engine (`jaxrl.rollout.engine`) to JetStream's
 Engine API (the `jetstream` extra; install with `scripts/install_jetstream.sh`). Nothing is

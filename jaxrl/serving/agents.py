@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import logging
 import math
 import uuid
@@ -41,27 +40,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl.data.tokenizer import left_pad
+from jaxrl.envs.agent_task import load_agent  # noqa: F401  (re-exported)
 from jaxrl.envs.base import Task
 from jaxrl.rollout.multi_turn import Budget, Episodes
 from jaxrl.serving.dispatcher import Completion
 
-PREFIX = "agent:"
 log = logging.getLogger("jaxrl.agents")
-
-
-def load_agent(name: str) -> Callable:
-  """The async function `agent:<module>:<function>` names; ValueError naming what is wrong."""
-  if not name.startswith(PREFIX) or name.count(":") != 2:
-    raise ValueError(f"task {name!r}: an agent task is named agent:<module>:<function>")
-  _, module, function = name.split(":")
-  try:
-    mod = importlib.import_module(module)
-  except ImportError as e:
-    raise ValueError(f"task {name!r}: cannot import module {module!r}: {e}") from None
-  fn = getattr(mod, function, None)
-  if fn is None or not asyncio.iscoroutinefunction(fn):
-    raise ValueError(f"task {name!r}: {module}.{function} is not an async function")
-  return fn
 
 
 @dataclasses.dataclass
@@ -118,6 +102,7 @@ class AgentLoop:
     self.fn, self.server, self.tok, self.budget, self.G = fn, server, tokenizer, budget, group_size
     self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
     self.served: tuple[int, object] | None = None
+    self.warm = False  # the server's engine has compiled its programs
 
   def serving_source(self) -> tuple[int, object]:
     """The params the server generates with: those of the batch being run."""
@@ -129,6 +114,9 @@ class AgentLoop:
           temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
     """Plays the G episodes of each task (task-major rows) -> Episodes."""
     rows = [t for t in tasks for _ in range(self.G)]
+    if not self.warm:
+      self.server.engine.warmup(params)
+      self.warm = True
     self.served = (int(version), params)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     try:
@@ -203,3 +191,26 @@ class AgentLoop:
         components=components, metadata={"agent_segments": segments}, turns=turns,
         terminated=~failed & ~truncated, truncated=truncated, failed=failed,
         fail_reasons=reasons, env_calls=0, env_calls_by_env={})
+
+
+def agent_loop(parts, group_size: int) -> AgentLoop:
+  """The agent loop of a run whose task is `agent:<module>:<function>`: a started server on
+  127.0.0.1 (an ephemeral port) over the run's rollout model, serving the params of the batch
+  being run; prompts up to max_prompt_len + max_total_tokens (later turns hold the whole
+  conversation)."""
+  from jaxrl.serving.openai import OpenAIServer  # the serve extra
+
+  cfg, b = parts.cfg, parts.budget
+  r = cfg.rollout
+  fn = load_agent(cfg.task.name)
+  holder: list[AgentLoop] = []
+  server = OpenAIServer(parts.rollout_graphdef, None, parts.tok, model="policy",
+                        num_slots=r.engine_slots or min(64, r.num_prompts * group_size),
+                        max_prompt_len=b.max_prompt_len + b.max_total_tokens,
+                        max_new_tokens=b.max_new_tokens, seed=cfg.seed,
+                        steps_per_dispatch=r.engine_steps, compact=r.engine_compact,
+                        params_source=lambda: holder[0].serving_source(), warmup=False).start()
+  loop = AgentLoop(fn, server, parts.tok, b, group_size,
+                   max_concurrency=cfg.agent.max_concurrency, timeout_s=cfg.agent.timeout_s)
+  holder.append(loop)
+  return loop

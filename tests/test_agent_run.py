@@ -1,0 +1,59 @@
+"""`task.name=agent:<module>:<function>` in a real run: the agent (an `openai`-client function, here
+one completion per episode on the built-in `add` rows) is played through the run's own server by
+the producer's loop, with no branch in the run loop; forced lag holds exactly (batch b is served
+by params b - L: first- and last-token staleness are both exactly min(b, L)), and validation
+plays the agent too."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+
+from jaxrl import config as config_lib  # noqa: E402
+from jaxrl.run import driver  # noqa: E402
+
+from test_bad_input import _tiny_cfg  # noqa: E402
+
+CALLS: list[str] = []
+
+
+async def answer(client, task):
+  """One completion of the row's prompt ("07+35="); reward: exact answer, as `add` grades."""
+  r = await client.completions.create(model="policy", prompt=task.prompt, max_tokens=3)
+  CALLS.append(task.uid)
+  return {"correct": float(r.choices[0].text.strip() == task.data["answer"])}
+
+
+def test_config_rejects_an_agent_that_does_not_import():
+  cfg = _tiny_cfg(task__name="agent:test_agent_run:no_such_function")
+  with pytest.raises(config_lib.ConfigError, match="not an async function"):
+    config_lib.validate(cfg, jax.device_count())
+
+
+@pytest.mark.slow  # a 4-step run plus validation through the server: ~40 s on 2 busy cores
+def test_an_agent_task_trains_with_exact_forced_lag(tmp_path):
+  lag, steps = 2, 4
+  cfg = _tiny_cfg(task__name="agent:test_agent_run:answer", rollout__lag=lag,
+                  train__steps=steps, val__at_end=True, agent__max_concurrency=8)
+  mesh = config_lib.validate(cfg, jax.device_count())
+  CALLS.clear()
+  driver.run(cfg, str(tmp_path / "run"), mesh)
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+          .splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert [r["batch_id"] for r in rl] == list(range(steps))
+  for r in rl:
+    want = min(r["batch_id"], lag)
+    for kind in ("first_token", "last_token"):
+      assert r[f"staleness/{kind}/min"] == r[f"staleness/{kind}/max"] == want, (kind, r)
+    assert "reward/correct" in r
+  val = [r for r in rows if r["phase"] == "val"]
+  assert val and 0.0 <= val[-1]["val/accuracy"] <= 1.0
+  G = cfg.rollout.group_size
+  # Every training episode went through the agent (batches made ahead by the lag included).
+  assert len(CALLS) >= steps * cfg.rollout.num_prompts * G
