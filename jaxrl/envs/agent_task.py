@@ -43,6 +43,9 @@ class AgentSource:
 
   def __init__(self, inner, name: str):
     self.inner, self.name, self.alphabet = inner, name, inner.alphabet
+    # The inner task's warm-up task (demonstrations), if it has one: the supervised warm-up
+    # trains the same prompts the agent sends.
+    self.task = getattr(inner, "task", None)
 
   def _mine(self, rows):
     return [dataclasses.replace(t, env=self.name) for t in rows]
@@ -70,7 +73,11 @@ def _source(name: str):
     inner = cfg.agent.task
     if is_agent(inner):
       raise ValueError(f"config.agent.task={inner!r} must name a task with rows, not an agent")
-    return AgentSource(make_source(inner, cfg), name)
+    source = AgentSource(make_source(inner, cfg), name)
+    if cfg.sft.enabled and source.task is None:
+      raise ValueError(f"config.sft.enabled: the agent's rows (config.agent.task={inner!r}) have "
+                       f"no demonstrations for the supervised warm-up; set it to false")
+    return source
   return make
 
 
@@ -79,7 +86,9 @@ def _resolve(name: str) -> str | None:
     load_agent(name)
   except ValueError as e:
     return str(e)
-  register(name, source=_source(name))(type("Agent", (AgentEnvironment,), {}))
+  # Demonstrations: those of agent.task's rows, when it has them (checked by the source).
+  register(name, source=_source(name), demonstrations=True)(
+      type("Agent", (AgentEnvironment,), {}))
   return None
 
 
