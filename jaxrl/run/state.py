@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.runtime.checkpoint import from_json_num, json_num
+from jaxrl.runtime.checkpoint import UnreadableStep, from_json_num, json_num, restore_cause
 
 
 @dataclasses.dataclass
@@ -23,6 +23,9 @@ class LoopState:
   metrics_lines: int = 0  # lines in metrics.jsonl when saved
   warmup: dict = dataclasses.field(default_factory=dict)  # the warm-up's summary
   config: dict = dataclasses.field(default_factory=dict)  # the config keys the state depends on
+  # Not saved: the run resumed from a step older than its directory's newest (those were passed
+  # over as unusable), so its next save replaces them (`Checkpointer.save(replace=True)`).
+  went_back: bool = False
 
   def count_skipped(self, skipped: int) -> None:
     """Counts an update skipped (1) or applied (0) for non-finite gradients."""
@@ -44,13 +47,14 @@ class LoopState:
   def save(self, ckpt, train_state, pipeline) -> None:
     """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline."""
     ring, host = pipeline.state_dict()
+    replace, self.went_back = self.went_back, False
     ckpt.save(self.step, {"train": train_state, "ring": ring},
               {**host, "step": self.step, "metrics_lines": self.metrics_lines,
                "val_accuracy": {str(k): json_num(a) for k, a in self.val_accuracy.items()},
                "skipped_updates": self.skipped_updates,
                "consecutive_skipped": self.consecutive_skipped,
                "warmup": {k: json_num(x) for k, x in self.warmup.items()},
-               "config": self.config})
+               "config": self.config}, replace=replace)
 
   @staticmethod
   def restore_warmup(host: dict) -> dict:
@@ -60,12 +64,23 @@ class LoopState:
   @classmethod
   def restore(cls, reader, step: int, host: dict, train_target, pipeline):
     """Restores checkpoint `step` (its JSON `host`, from `reader.read_host()`): the pipeline is
-    loaded in place; returns `(train_state, loop_state)`."""
-    restored, _ = reader.restore(step, {"train": train_target, "ring": pipeline.target(host)})
-    pipeline.load_state_dict(restored["ring"], host)
-    return restored["train"], cls(
-        step=step, skipped_updates=host["skipped_updates"],
-        consecutive_skipped=host.get("consecutive_skipped", 0),
-        val_accuracy={int(k): from_json_num(a) for k, a in host["val_accuracy"].items()},
-        metrics_lines=host["metrics_lines"],
-        warmup=cls.restore_warmup(host), config=host.get("config", {}))
+    loaded in place; returns `(train_state, loop_state)`.
+
+    Every array is read here, so a checkpoint that cannot be restored for any reason (truncated
+    or corrupt array data, a host record that does not fit) raises `UnreadableStep`, which the
+    caller answers with the checkpoint before it."""
+    try:
+      restored, _ = reader.restore(step, {"train": train_target, "ring": pipeline.target(host)})
+      pipeline.load_state_dict(restored["ring"], host)
+      loop = cls(
+          step=step, skipped_updates=host["skipped_updates"],
+          consecutive_skipped=host.get("consecutive_skipped", 0),
+          val_accuracy={int(k): from_json_num(a) for k, a in host["val_accuracy"].items()},
+          metrics_lines=host["metrics_lines"],
+          warmup=cls.restore_warmup(host), config=host.get("config", {}))
+    except UnreadableStep:
+      raise
+    except Exception as e:  # noqa: BLE001  a host record that does not fit its arrays
+      raise UnreadableStep(reader.directory, step, restore_cause(e)) from e
+    loop.went_back = not reader.read_only and any(s > step for s in reader.all_steps())
+    return restored["train"], loop

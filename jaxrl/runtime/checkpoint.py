@@ -27,7 +27,9 @@ Contract:
   one - holds the same state. Saving a step older than the latest means the run went back (it
   resumed from an older checkpoint into this directory): without `force` that raises, since
   interleaving two histories would make `auto` resume pick the abandoned one; `force=True` deletes
-  the newer steps first (with a warning) and saves.
+  the newer steps first (with a warning) and saves. `replace=True` also deletes a step of the
+  same number: a run that resumed from an older checkpoint because the newer ones could not be
+  restored replaces them with its own.
 - `keep` newest steps are kept; older ones are deleted once the new step is durable, so a crash
   mid-save still leaves `keep` finished checkpoints.
 - Restore always takes an *abstract* target (`jax.ShapeDtypeStruct` with a sharding per leaf)
@@ -75,8 +77,9 @@ def step_problem(directory: str, step: int) -> str | None:
   """What makes finalized checkpoint `step` of `directory` unusable, or None.
 
   Checked without reading the arrays: every file a step holds is there (`_STEP_FILES`), the host
-  JSON and the state metadata parse, and no array data file is empty. Truncated array data is
-  found by the restore itself (`Checkpointer.restore` raises `CheckpointError`).
+  JSON and the state metadata parse, and no array data file is empty. Anything else (truncated
+  or corrupt array data) is found by the restore itself, which reads every array
+  (`Checkpointer.restore` raises `UnreadableStep` for any failure).
   """
   root = os.path.join(_abs(directory), str(step))
   for rel in _STEP_FILES:
@@ -144,12 +147,14 @@ class Checkpointer:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def save(self, step: int, state, host: dict, *, force: bool = False) -> bool:
+  def save(self, step: int, state, host: dict, *, force: bool = False,
+           replace: bool = False) -> bool:
     """Starts saving `state` (pytree of jax.Arrays) and `host` (JSON dict) as checkpoint `step`.
 
-    Returns whether a save was started: False when `step` already exists (or is in flight).
-    A step older than the latest raises ValueError unless `force`, which first deletes the newer
-    steps (see the module docstring). Also raises, before anything is written, if `host` would not
+    Returns whether a save was started: False when `step` already exists (or is in flight),
+    unless `replace`. A step older than the latest raises ValueError unless `force` (or
+    `replace`), which first deletes the newer steps (`replace`: and `step`; see the module
+    docstring). Also raises, before anything is written, if `host` would not
     come back from JSON unchanged.
     """
     if self.read_only:
@@ -158,9 +163,10 @@ class Checkpointer:
     _check_json(host, "host")
     host = json.loads(json.dumps(host))  # a snapshot: the caller may mutate host right away
     steps = self._mngr.all_steps()  # includes a save in flight
-    if step in steps:
+    force = force or replace
+    if step in steps and not replace:
       return False
-    newer = sorted(s for s in steps if s > step)
+    newer = sorted(s for s in steps if s > step or (replace and s == step))
     if newer and not force:
       raise ValueError(f"checkpoint step {step} is older than step {newer[-1]} already in "
                        f"{self.directory}; save with force=True to delete steps {newer}, or save "
@@ -168,7 +174,7 @@ class Checkpointer:
     if newer:
       self.wait()
       warnings.warn(f"deleting checkpoint steps {newer} of {self.directory}: the run went back "
-                    f"to step {step}", stacklevel=2)
+                    f"(it resumed from an older step) and saves step {step}", stacklevel=2)
       for s in newer:
         self._mngr.delete(s)
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
@@ -228,9 +234,9 @@ class Checkpointer:
     try:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_like(target)), host=ocp.args.JsonRestore()))
-    except (ValueError, OSError, RuntimeError) as e:  # truncated or corrupt files
-      msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-      raise UnreadableStep(self.directory, step, f"{type(e).__name__}: {msg}") from e
+    except Exception as e:  # noqa: BLE001  truncated or corrupt files: Orbax raises ValueError,
+      # OSError, or a bare Exception wrapping TensorStore's error for an array's bytes
+      raise UnreadableStep(self.directory, step, restore_cause(e)) from e
     return out.state, out.host
 
   def restore_params(self, step: int | None, target) -> tuple[int, object]:
@@ -280,6 +286,17 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for pending saves, then releases Orbax's threads."""
     self._mngr.close()
+
+
+def restore_cause(e: BaseException) -> str:
+  """One line saying why a restore failed: the innermost error's type and first line (Orbax wraps
+  TensorStore's `OUT_OF_RANGE` reading a truncated array in a bare Exception)."""
+  inner = e
+  while inner.__cause__ is not None and inner.__cause__ is not inner:
+    inner = inner.__cause__
+  text = str(inner).strip()
+  first = text.splitlines()[0][:300] if text else ""
+  return f"{type(inner).__name__}: {first}" if first else type(inner).__name__
 
 
 class UnreadableStep(CheckpointError):

@@ -112,11 +112,13 @@ class MirroredCheckpointer:
     return jax.make_array_from_single_device_arrays(
         x.shape, NamedSharding(self.union, spec), [s.data for s in x.addressable_shards])
 
-  def save(self, step: int, state, host: dict, *, force: bool = False) -> bool:
+  def save(self, step: int, state, host: dict, *, force: bool = False,
+           replace: bool = False) -> bool:
     treedef, leaves = _describe(state)
     self._tell({"op": "save", "step": int(step), "treedef": treedef, "leaves": leaves,
-                "host": host, "force": force})
-    return self.inner.save(step, jax.tree.map(self._lift, state), host, force=force)
+                "host": host, "force": force, "replace": replace})
+    return self.inner.save(step, jax.tree.map(self._lift, state), host, force=force,
+                           replace=replace)
 
   def restore(self, step: int | None, target):
     treedef, leaves = _describe(target)
@@ -175,7 +177,7 @@ def serve_checkpoints(ckpt, channel: bridge_lib.Channel, union, should_stop,
       return
     tree = placeholders(op["leaves"], op["treedef"], abstract=op["op"] != "save")
     if op["op"] == "save":
-      ckpt.save(op["step"], tree, op["host"], force=op["force"])
+      ckpt.save(op["step"], tree, op["host"], force=op["force"], replace=op["replace"])
     else:  # restore: this side only takes part; a failure is the train side's to report
       try:
         ckpt.restore(op["step"], tree)
