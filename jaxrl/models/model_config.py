@@ -35,6 +35,10 @@ names.check_registry("REMAT_POLICIES", names.REMAT_POLICIES, REMAT_POLICIES)
 # The attention of a forward pass without a KV cache (`ModelConfig.attention`).
 ATTENTION_IMPLS = names.ATTENTION_IMPLS
 
+# How a mixture-of-experts layer runs its experts' products (`ModelConfig.moe_dispatch`,
+# `jaxrl.models.moe.resolve_dispatch`).
+MOE_DISPATCHES = ("auto", "ragged_dot", "blocked")
+
 
 # "auto" on CPU: rows up to this many positions attend densely (the fastest form there, and the
 # default run's); longer rows blockwise. A dense `[rows, heads, T, T]` f32 score tensor per layer
@@ -132,6 +136,16 @@ class ModelConfig:
   lora_alpha: float = 32.0
   lora_targets: tuple[str, ...] = ()
   lora_dropout: float = 0.0
+  # Mixture of experts (`jaxrl.models.moe`, Qwen3-MoE): 0 = a dense MLP in every layer. With E
+  # experts every layer's MLP is E SwiGLU experts of width `moe_intermediate_size`; each token
+  # takes the sum of its `num_experts_per_tok` most probable experts (float32 router), weighted
+  # by their probabilities, renormalised to sum 1 with `norm_topk_prob`. `moe_dispatch`: the
+  # grouped matmul (`MOE_DISPATCHES`).
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  moe_dispatch: str = "auto"
 
   def __post_init__(self):
     # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
@@ -144,6 +158,16 @@ class ModelConfig:
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "
                        f"{names.LORA_TARGETS}")
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+        raise ValueError(f"num_experts={self.num_experts} needs 1 <= num_experts_per_tok <= "
+                         f"num_experts and moe_intermediate_size >= 1; got "
+                         f"{self.num_experts_per_tok}, {self.moe_intermediate_size}")
+      if self.moe_dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"moe_dispatch={self.moe_dispatch!r} is not one of {MOE_DISPATCHES}")
+      if self.lora_rank and set(self.lora_targets) & {"gate", "up", "down"}:
+        raise ValueError(f"lora_targets={self.lora_targets!r}: a mixture-of-experts model "
+                         "adapts only q, k, v, o")
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
     if self.rope_scaling != "none" and not self.rope_factor > 0:

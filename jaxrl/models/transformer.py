@@ -34,6 +34,7 @@ from jaxrl.models.layers import (KERNEL_OF, apply_rope, attention, config_inv_fr
                                  lora_dims, matmul_rows, rms_norm, rope_tables, stacked_lora,
                                  streamed_matmul)
 from jaxrl.models.logprobs import continuation_positions, left_positions
+from jaxrl.models.moe import expert_shapes, moe_mlp
 from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
                                        resolve_attention, resolve_decode_attention)
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
@@ -68,9 +69,13 @@ class Transformer(nnx.Module):
       self.q_norm = const(1.0, L, Dh)
       self.k_norm = const(1.0, L, Dh)
     self.mlp_norm = const(1.0, L, D)
-    self.w_gate = normal(L, D, F)
-    self.w_up = normal(L, D, F)
-    self.w_down = normal(L, F, D)
+    if cfg.num_experts:  # `jaxrl.models.moe`: a router and E experts instead of one MLP
+      for name, shape in expert_shapes(cfg).items():
+        setattr(self, name, normal(L, *shape))
+    else:
+      self.w_gate = normal(L, D, F)
+      self.w_up = normal(L, D, F)
+      self.w_down = normal(L, F, D)
     self.final_norm = const(1.0, D)
     if not cfg.tie_embeddings:
       self.lm_head = normal(D, V)
@@ -83,13 +88,17 @@ class Transformer(nnx.Module):
         setattr(self, f"lora_{t}", stacked_lora(L, din, cfg.lora_rank, dout, lora_rngs))
 
   def _layer_params(self) -> dict:
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
+    names += list(expert_shapes(self.cfg)) if self.cfg.num_experts else ["w_gate", "w_up",
+                                                                         "w_down"]
     if self.cfg.qkv_bias:
       names += ["bq", "bk", "bv"]
     if self.cfg.qk_norm:
       names += ["q_norm", "k_norm"]
     dt = DTYPES[self.cfg.dtype]
-    return {n: getattr(self, n)[...].astype(dt) for n in names}
+    # The router stays in float32 whatever the compute dtype.
+    return {n: getattr(self, n)[...].astype(jnp.float32 if n == "router" else dt)
+            for n in names}
 
   def layer_weights(self, fuse: bool = True) -> tuple[dict, ...]:
     """One dict of weights per layer, in the compute dtype; with `fuse`, q/k/v and gate/up each
@@ -105,7 +114,8 @@ class Transformer(nnx.Module):
       p = {n: w[i] for n, w in stacked.items()}
       if fuse:
         p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")], axis=1)
-        p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")], axis=1)
+        if "w_gate" in p:
+          p["w_gate_up"] = jnp.concatenate([p.pop("w_gate"), p.pop("w_up")], axis=1)
       out.append(p)
     return tuple(out)
 
@@ -168,15 +178,21 @@ class Transformer(nnx.Module):
     # Single-token decode reads slots up to its own (the mask's causal bound) and no further.
     filled = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + T, (B,)) \
         if cache is not None and T == 1 else None
-    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled)
+    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid)
 
     # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
     # prefill never take gradients, and their programs stay exactly as they are.
     policy = REMAT_POLICIES[cfg.remat] if cache is None else None
     if cfg.scan_layers:
-      x, k, v = self._scanned_layers(run, x, cache, cache_index, adapters, policy)
+      x, k, v, stats = self._scanned_layers(run, x, cache, cache_index, adapters, policy)
     else:
-      x, k, v = self._unrolled_layers(run, x, cache, cache_index, layers, adapters, policy)
+      x, k, v, stats = self._unrolled_layers(run, x, cache, cache_index, layers, adapters,
+                                             policy)
+    if stats is not None:
+      # A mixture-of-experts model's routing, per layer, appended for `moe.pop_router_stats`.
+      prev = getattr(self, "router_stats", None)
+      before = () if prev is None else prev.get_value()
+      self.router_stats = nnx.Intermediate((*before, stats))
     new_cache = None
     if cache is not None:
       new_cache = constrain_kv_cache(KVCache(k, v, key_valid))
@@ -184,9 +200,10 @@ class Transformer(nnx.Module):
 
   def _unrolled_layers(self, run: _Pass, x: jax.Array, cache: KVCache | None,
                        cache_index: jax.Array | int, layers: tuple[dict, ...] | None,
-                       adapters: dict, policy) -> tuple[jax.Array, tuple, tuple]:
-    """The layers as a Python loop over per-layer weights: (hidden, new keys, new values), the
-    keys and values one cache array per layer (empty tuples without a cache)."""
+                       adapters: dict, policy) -> tuple[jax.Array, tuple, tuple, object]:
+    """The layers as a Python loop over per-layer weights: (hidden, new keys, new values, router
+    statistics stacked [L, ...] or None for a dense model), the keys and values one cache array
+    per layer (empty tuples without a cache)."""
     cfg = self.cfg
     # q/k/v and gate/up fused for single-token decode, where each matmul is a pass over its
     # weights; over many tokens (training, scoring, prefill) separate products measured faster
@@ -194,7 +211,7 @@ class Transformer(nnx.Module):
     # split of the fused product's gradient.
     layers = self.layer_weights(fuse=run.length == 1) if layers is None else layers
     # Unrolled: one cache array per layer, updated in place inside the decode loop.
-    ks, vs = [], []
+    ks, vs, stats = [], [], []
     for i in range(cfg.num_layers):
       def kv(k, v, i=i):
         if cache is None:
@@ -205,18 +222,21 @@ class Transformer(nnx.Module):
       lora = {t: (a[i], b[i]) for t, (a, b) in adapters.items()}
       key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
       if policy is None:
-        x = _block(run, x, layers[i], kv, lora=lora, key=key)
+        x, st = _block(run, x, layers[i], kv, lora=lora, key=key)
       else:
-        x = jax.checkpoint(
+        x, st = jax.checkpoint(
             lambda h, p, lo, kv=kv, key=key: _block(run, h, p, kv, lora=lo, key=key),
             policy=policy)(x, layers[i], lora)
-    return x, tuple(ks), tuple(vs)
+      stats.append(st)
+    stacked = None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
+    return x, tuple(ks), tuple(vs), stacked
 
   def _scanned_layers(self, run: _Pass, x: jax.Array, cache: KVCache | None,
                       cache_index: jax.Array | int, adapters: dict, policy
-                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The layers as one `lax.scan` over the stacked weights: (hidden, new keys, new values),
-    the keys and values stacked [L, ...] (None without a cache)."""
+                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, object]:
+    """The layers as one `lax.scan` over the stacked weights: (hidden, new keys, new values,
+    router statistics or None), the keys, values and statistics stacked [L, ...] (keys and values
+    None without a cache)."""
     cfg = self.cfg
     # Scanned: stacked [L, ...] caches in the carry. Each layer writes its new slots before
     # reading its slice, so XLA updates the carried buffer in place instead of copying it.
@@ -229,7 +249,7 @@ class Transformer(nnx.Module):
       # matmul (measured 2x the weight-read rate of slice-then-matmul for batch-4 0.5B shapes
       # on CPU). Not on accelerators: there each chunk is a kernel launch of its own, and the
       # slice copy runs at HBM bandwidth.
-      big = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+      big = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(stacked)
       big_w = {n: stacked.pop(n) for n in big}
       big_w = {n: w.reshape(w.shape[0], -1, w.shape[-1]) if n == "wo"
                else w.reshape(w.shape[0], w.shape[1], -1) for n, w in big_w.items()}
@@ -250,17 +270,17 @@ class Transformer(nnx.Module):
                 jax.lax.dynamic_index_in_dim(out["v"], i, keepdims=False))
 
       key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
-      h = _block(run, h, p, kv, layer_dense, lora, key)
-      return (h, out.get("k", k_cache), out.get("v", v_cache)), None
+      h, stats = _block(run, h, p, kv, layer_dense, lora, key)
+      return (h, out.get("k", k_cache), out.get("v", v_cache)), stats
 
     if policy is not None:
       # prevent_cse=False, as JAX advises under scan: the loop already keeps XLA from merging
       # the recomputation back into the forward pass, and the barriers would only cost.
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-    (x, k_cache, v_cache), _ = jax.lax.scan(body, init,
-                                            (stacked, adapters, jnp.arange(cfg.num_layers)))
-    return x, k_cache, v_cache
+    (x, k_cache, v_cache), stats = jax.lax.scan(
+        body, init, (stacked, adapters, jnp.arange(cfg.num_layers)))
+    return x, k_cache, v_cache, stats
 
   def grouped_forward(self, prompts: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
                       valid: jax.Array, lora_dropout_key: jax.Array | None = None
@@ -376,6 +396,7 @@ class _Pass(NamedTuple):
   dropout: float  # LoRA dropout rate, 0 unless a dropout key was given
   dropout_key: jax.Array | None
   filled: jax.Array | None = None  # [B] int: decode's slots in use (`cache_index + 1`)
+  valid: jax.Array | None = None  # [B, T] bool: real tokens (counted in router statistics)
 
 
 def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Array | int
@@ -403,9 +424,10 @@ def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:
 
 
 def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
-  """One decoder layer; `kv(k, v)` stores the new keys/values and returns all of them;
-  `dense(x, name)` multiplies by weight `name` (default: `p[name]`); `lora`: this layer's
-  adapters (target -> (A, B)), added to the projections they adapt (`key`: dropout)."""
+  """One decoder layer: (hidden, router statistics or None for a dense MLP). `kv(k, v)` stores
+  the new keys/values and returns all of them; `dense(x, name)` multiplies by weight `name`
+  (default: `p[name]`); `lora`: this layer's adapters (target -> (A, B)), added to the
+  projections they adapt (`key`: dropout)."""
   dense = dense or (lambda x, name: matmul_rows(x, p[name]))
   if lora:
     dense = lora_dense(dense, lora, run.cfg, run.dropout, key)
@@ -465,16 +487,20 @@ def _cache_attention(run: _Pass, q, k, v, kv):
 
 
 def _mlp(run: _Pass, h, p, o, dense):
-  """The rest of a layer after attention: output projection, residual, MLP."""
+  """The rest of a layer after attention: output projection, residual, MLP (dense, or the
+  experts': `moe.moe_mlp`). Returns (hidden, router statistics or None)."""
   cfg = run.cfg
   rows = lambda x: constrain_rows(x, jax.sharding.PartitionSpec.UNCONSTRAINED)
   h = constrain_rows(h + rows(dense(rows(o.reshape(run.rows, run.length, -1)), "wo")))
   m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+  if cfg.num_experts:
+    y, stats = moe_mlp(m, p, cfg, run.valid)
+    return constrain_rows(h + rows(y)), stats
   if "w_gate_up" in p:
     gate, up = jnp.split(dense(m, "w_gate_up"), 2, axis=-1)
   else:
     gate, up = dense(m, "w_gate"), dense(m, "w_up")
-  return constrain_rows(h + rows(dense(rows(jax.nn.silu(gate) * up), "w_down")))
+  return constrain_rows(h + rows(dense(rows(jax.nn.silu(gate) * up), "w_down"))), None
 
 
 def init_model(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:

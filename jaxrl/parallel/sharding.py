@@ -40,12 +40,19 @@ PARAM_AXES = {
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    # Mixture of experts (`jaxrl.models.moe`): the router replicated, the experts split over
+    # 'fsdp' (expert parallelism on the axis that already splits parameters), their width over
+    # 'tensor'.
+    "router": ("layers", None, None),
+    "we_gate": ("layers", "experts", None, "mlp"),
+    "we_up": ("layers", "experts", None, "mlp"),
+    "we_down": ("layers", "experts", "mlp", None),
     # LoRA adapters (A [layers, din, rank], B [layers, rank, dout]): small, replicated.
     "lora_a": ("layers", None, None),
     "lora_b": ("layers", None, None),
 }
 LOGICAL_TO_MESH = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
-                   "mlp": "tensor", "layers": None}
+                   "mlp": "tensor", "layers": None, "experts": "fsdp"}
 
 
 def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:

@@ -1,0 +1,163 @@
+"""The mixture-of-experts layer (`jaxrl.models.moe`): routing, both grouped matmuls against a
+per-token reference in numpy, the load-balancing loss's arithmetic, the model with experts, and
+compiled FLOPs that scale with top-k."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import moe
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import abstract_model, init_model
+
+
+def tiny(**kw) -> ModelConfig:
+  base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+              mlp_dim=48, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=16)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+def reference_moe(x, router, gate, up, down, k, norm):
+  """Every token through its top-k experts one by one, in float64 numpy."""
+  x, router, gate, up, down = (np.asarray(a, np.float64) for a in (x, router, gate, up, down))
+  logits = x @ router
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  out = np.zeros_like(x)
+  for n in range(x.shape[0]):
+    top = np.argsort(-probs[n], kind="stable")[:k]
+    w = probs[n, top] / (probs[n, top].sum() if norm else 1.0)
+    for e, we in zip(top, w):
+      g, u = x[n] @ gate[e], x[n] @ up[e]
+      out[n] += we * ((g / (1 + np.exp(-g)) * u) @ down[e])
+  return out
+
+
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("k,norm", [(2, True), (3, False), (8, True)])
+def test_moe_mlp_matches_a_per_token_reference(impl, k, norm):
+  cfg = tiny(num_experts_per_tok=k, norm_topk_prob=norm, moe_dispatch=impl)
+  keys = jax.random.split(jax.random.key(0), 5)
+  d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size
+  x = jax.random.normal(keys[0], (3, 7, d))
+  p = {"router": jax.random.normal(keys[1], (d, e)),
+       "we_gate": jax.random.normal(keys[2], (e, d, f)) * 0.2,
+       "we_up": jax.random.normal(keys[3], (e, d, f)) * 0.2,
+       "we_down": jax.random.normal(keys[4], (e, f, d)) * 0.2}
+  y, stats = jax.jit(lambda x, p: moe.moe_mlp(x, p, cfg, None))(x, p)
+  want = reference_moe(x.reshape(-1, d), p["router"], p["we_gate"], p["we_up"], p["we_down"],
+                       k, norm)
+  np.testing.assert_allclose(np.asarray(y).reshape(-1, d), want, atol=2e-5, rtol=1e-4)
+  # Every token counted k times, once per selected expert.
+  assert float(stats.tokens) == 21 and float(stats.counts.sum()) == 21 * k
+  assert stats.experts.shape == (3, 7, k)
+
+
+def test_grouped_matmuls_agree_in_value_and_gradient():
+  """The blocked product and `ragged_dot` on uneven groups (one empty), with their gradients."""
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (37, 5))
+  w = jax.random.normal(keys[1], (4, 5, 6))
+  sizes = jnp.array([20, 0, 9, 8], jnp.int32)
+  g = jax.random.normal(keys[2], (37, 6))
+
+  def loss(impl):
+    return lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, impl) * g)
+
+  want = np.concatenate([np.asarray(x[:20] @ w[0]), np.asarray(x[20:29] @ w[2]),
+                         np.asarray(x[29:] @ w[3])])
+  for impl in ("blocked", "ragged_dot"):
+    np.testing.assert_allclose(moe.grouped_matmul(x, w, sizes, impl), want, atol=1e-5)
+  gb = jax.grad(loss("blocked"), argnums=(0, 1))(x, w)
+  gr = jax.grad(loss("ragged_dot"), argnums=(0, 1))(x, w)
+  for a, b in zip(gb, gr):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert float(jnp.abs(gb[1][1]).max()) == 0.0  # the empty group's weight gets no gradient
+
+
+def test_aux_loss_arithmetic():
+  """E * sum_e f_e P_e pooled over layers: even routing of 2 of 4 experts gives k = 2; every
+  token on experts 0 and 1 with probability 1/2 each gives E * (1 * 1/2 + 1 * 1/2) = 4."""
+  even = moe.RouterStats(counts=jnp.full((2, 4), 10.0), probs=jnp.full((2, 4), 5.0),
+                         tokens=jnp.array([20.0, 20.0]), experts=jnp.zeros((2, 1, 1, 2)))
+  assert float(moe.aux_loss(even, 4)) == pytest.approx(2.0)
+  skew = moe.RouterStats(counts=jnp.array([[20.0, 20, 0, 0]]), probs=jnp.array([[10.0, 10, 0, 0]]),
+                         tokens=jnp.array([20.0]), experts=jnp.zeros((1, 1, 1, 2)))
+  assert float(moe.aux_loss(skew, 4)) == pytest.approx(4.0)
+
+
+def test_padding_is_not_counted_in_router_statistics():
+  cfg = tiny()
+  graphdef, params = init_model(cfg, 0)
+  tokens = jnp.arange(16).reshape(2, 8) % cfg.vocab_size
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  valid = jnp.arange(8)[None, :] < jnp.array([[8], [5]])
+
+  def run(params):
+    model = nnx.merge(graphdef, params)
+    model(tokens, pos, valid)
+    return moe.pop_router_stats(model)
+
+  (stats,) = run(params)
+  assert stats.tokens.shape == (cfg.num_layers,)
+  np.testing.assert_array_equal(stats.tokens, [13.0, 13.0])
+  np.testing.assert_allclose(stats.counts.sum(-1), [26.0, 26.0])
+  np.testing.assert_allclose(stats.probs.sum(-1), [13.0, 13.0], rtol=1e-6)
+
+
+def test_scanned_and_unrolled_moe_models_agree():
+  cfg = tiny()
+  graphdef, params = init_model(cfg, 3)
+  g_unrolled, _ = abstract_model(dataclasses.replace(cfg, scan_layers=False))
+  tokens = jnp.arange(18).reshape(2, 9) * 5 % cfg.vocab_size
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  valid = jnp.ones((2, 9), bool)
+  out = [nnx.merge(g, params)(tokens, pos, valid)[0] for g in (graphdef, g_unrolled)]
+  np.testing.assert_allclose(out[0], out[1], atol=1e-6)
+
+
+def test_bad_moe_configs_are_refused():
+  with pytest.raises(ValueError, match="num_experts_per_tok"):
+    tiny(num_experts_per_tok=9)
+  with pytest.raises(ValueError, match="moe_intermediate_size"):
+    tiny(moe_intermediate_size=0)
+  with pytest.raises(ValueError, match="moe_dispatch"):
+    tiny(moe_dispatch="dense")
+  with pytest.raises(ValueError, match="adapts only q, k, v, o"):
+    tiny(lora_rank=4, lora_targets=("q", "up"))
+
+
+def _train_flops(k: int) -> float:
+  """Compiled FLOPs (XLA's cost analysis) of a forward and backward through the model with
+  top-k of 8 experts, everything else the same."""
+  cfg = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=16, mlp_dim=64, num_experts=8, num_experts_per_tok=k,
+                    moe_intermediate_size=256, moe_dispatch="blocked")
+  graphdef, params = abstract_model(cfg)
+  tokens = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+  valid = jax.ShapeDtypeStruct((4, 128), jnp.bool_)
+
+  def loss(params, tokens, valid):
+    model = nnx.merge(graphdef, params)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    hidden, _ = model(tokens, pos, valid)
+    stats = moe.pop_router_stats(model)
+    return jnp.mean(model.logits(hidden)) + 0.01 * moe.aux_loss(stats[0], cfg.num_experts)
+
+  compiled = jax.jit(jax.grad(loss)).lower(params, tokens, valid).compile()
+  return float(compiled.cost_analysis()["flops"])
+
+
+def test_compiled_flops_scale_with_top_k():
+  """Acceptance: top-2 of 8 costs at most 0.4x top-8 (the experts' share is 2/8 = 0.25; the
+  attention, router, embedding and tile padding are the rest)."""
+  f2, f8 = _train_flops(2), _train_flops(8)
+  assert f2 <= 0.4 * f8, (f2, f8, f2 / f8)
