@@ -31,7 +31,9 @@ async def twice(client, task):
   r1 = await client.chat.completions.create(model="any", messages=msgs, logprobs=True)
   msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
            {"role": "user", "content": "again"}]
-  r2 = await client.chat.completions.create(model="any", messages=msgs, temperature=0.0)
+  # Over the run's budget of 8: lowered, not refused, on an episode's route.
+  r2 = await client.chat.completions.create(model="any", messages=msgs, temperature=0.0,
+                                            max_tokens=100)
   SEEN.setdefault(task.uid, []).append([r1, r2])
   return {"answered": 1.0, "bonus": 0.5}
 
@@ -130,6 +132,26 @@ def test_a_tool_call_turn_whose_history_re_renders_differently_is_its_own_segmen
   call = [tok.token_to_id(t) for t in (TOOL_TOKENS[0], CALL_JSON, TOOL_TOKENS[1])]
   assert ep.tokens[0, :5].tolist() == call + [tok.eos_id, tok.pad_id]
   assert ep.mask[0].sum() == 4 and (ep.policy_version[0][ep.mask[0]] == 3).all()
+
+
+def test_the_calculator_example_runs_its_tool_calls(agent_server):
+  """examples/calculator_agent.py's `solve` against the scripted model, which calls `calc` with
+  "2+3" at every turn: the agent answers each call with "5", stops after MAX_CALLS calls, and
+  its final reply (a call, not a number) earns only the tool bonus."""
+  import pathlib
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+  import calculator_agent
+
+  _, _, params, _ = agent_server
+  ep = _loop(agent_server, calculator_agent.solve, G=1).run(params, _tasks("5"), None, 0,
+                                                            version=0, temperature=1.0)
+  assert not ep.failed.any()
+  assert ep.turns.tolist() == [calculator_agent.MAX_CALLS + 1]
+  assert ep.components == {"correct": pytest.approx([0.0]), "used_tool": pytest.approx([0.1])}
+  assert calculator_agent.calc('{"expr": "2+3"}') == "5"
+  assert calculator_agent.calc('{"expr": "2+"}').startswith("error:")
 
 
 def test_failed_and_timed_out_episodes_are_excluded(agent_server):

@@ -11,7 +11,8 @@ producer, the data plane and the trainer take its rows unchanged:
   `/episodes/<id>/v1`: every reply is recorded there (`OpenAIServer.open_episode`) with its exact
   prompt and completion tokens, log-probs and per-token policy versions; the episode samples with
   the run's temperature, top-k and top-p whatever a request asks (the trainer recomputes
-  log-probs at that temperature). Any model name is accepted.
+  log-probs at that temperature). Any model name is accepted; a `max_tokens` over the run's
+  `rollout.max_new_tokens` is lowered to it.
 - Trajectory (`trajectory`): the first request's prompt is the row's prompt; its reply, then for
   each later request the tokens its prompt adds after everything so far (the tool results, the
   next user turn: context, never trained) and its reply (trained). A request whose prompt does

@@ -231,6 +231,11 @@ class OpenAIServer:
       raise RequestError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
       raise RequestError("the request body must be a JSON object")
+    if "episode" in request.path_params:  # an agent's budget is the run's: lowered, not refused
+      for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > self.engine.max_new_tokens:
+          body[key] = self.engine.max_new_tokens
     model = body.get("model")
     if model != self.model and "episode" not in request.path_params:
       raise RequestError(f"the model {model!r} does not exist; this server serves "
