@@ -221,3 +221,36 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
   assert ok.choices[0].model_extra["token_ids"]
   server.check()
   assert httpx.get(f"{server.url[:-3]}/health", timeout=60).json()["status"] == "ok"
+
+
+def test_concurrent_clients_are_batched_into_engine_runs(served):
+  import concurrent.futures
+
+  server, client, tok, _, _ = served
+  d = server.dispatcher
+  batches, rows = d.batches, d.rows
+  with concurrent.futures.ThreadPoolExecutor(12) as pool:
+    replies = list(pool.map(lambda i: client.completions.create(
+        model="tiny", prompt=f"What is {i}", max_tokens=4), range(12)))
+  assert all(tok.decode(r.choices[0].model_extra["token_ids"]) == r.choices[0].text
+             for r in replies)
+  assert d.rows - rows == 12
+  # 12 requests, each waiting while a run is in flight: fewer runs than requests.
+  assert d.batches - batches < 12
+
+
+def test_a_dead_engine_thread_fails_its_requests_and_says_so(served):
+  from jaxrl.serving.dispatcher import Dispatcher, Job
+
+  server = served[0]
+
+  def broken_source():
+    raise RuntimeError("params are gone")
+
+  d = Dispatcher(server.engine, broken_source).start()
+  future = d.submit(Job([5, 6, 7]))
+  with pytest.raises(RuntimeError, match="params are gone"):
+    future.result(timeout=60)
+  assert not d.alive() and isinstance(d.error, RuntimeError)
+  with pytest.raises(RuntimeError, match="the engine thread failed"):
+    d.submit(Job([5, 6, 7]))
