@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama / Qwen2 / Qwen3) in and out of the jaxrl model.
+"""Hugging Face checkpoints (Llama / Qwen2 / Qwen3 / Qwen3-MoE) in and out of the jaxrl model.
 
 `load_hf` reads `config.json` and `model.safetensors` (or a sharded
 `model.safetensors.index.json`) and returns `(ModelConfig, graphdef, params)`; `save_hf` writes a
@@ -7,7 +7,10 @@ directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 Layout: HF linear weights are `[out, in]`, jaxrl's are `[in, out]` split per head, so every
 projection is transposed and reshaped. Both use the non-interleaved "rotate half" RoPE layout, so
 q/k need no row permutation. Per-layer tensors are stacked on a leading `[num_layers]` axis, the
-layout of both scanned and unrolled models.
+layout of both scanned and unrolled models. Qwen3-MoE experts are stacked on a second
+`[num_experts]` axis: read from per-expert tensors (`mlp.experts.{e}.gate_proj`, what
+transformers writes) or fused ones (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, its
+in-memory layout), written per expert.
 
 Tensors are read through `safetensors.safe_open(framework="numpy")`, which memory-maps each file;
 each tensor is read once, straight into its stacked host buffer, and buffers are placed on devices
@@ -44,7 +47,10 @@ ARCHITECTURES = {
   "LlamaForCausalLM": ("llama", False, False),
   "Qwen2ForCausalLM": ("qwen2", True, False),
   "Qwen3ForCausalLM": ("qwen3", False, True),
+  "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
+# Architectures whose MLPs are mixtures of experts (`jaxrl.models.moe`).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -64,11 +70,14 @@ def _per_layer(name: str) -> str:
   return "model.layers.{i}." + name
 
 
-def _hf_layout(cfg: ModelConfig) -> dict[str, tuple[str, object, object]]:
+def _hf_layout(cfg: ModelConfig, fused_experts: bool = False
+               ) -> dict[str, tuple[str, object, object]]:
   """jaxrl name -> (HF tensor name, HF -> jaxrl, jaxrl -> HF) per layer or global tensor.
 
   The converters take and return one layer's (or the global) array; names containing `{i}` are
-  per-layer and stacked on axis 0.
+  per-layer and stacked on axis 0, names containing `{e}` also per expert, on axis 1.
+  `fused_experts`: the experts as fused [E, ...] tensors (reading only: their `jaxrl -> HF`
+  converters give the fused tensor's shape, not its values).
   """
   D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   ident = (lambda x: x, lambda x: x)
@@ -104,7 +113,38 @@ def _hf_layout(cfg: ModelConfig) -> dict[str, tuple[str, object, object]]:
     layout["k_norm"] = (_per_layer("self_attn.k_norm.weight"), *ident)
   if not cfg.tie_embeddings:
     layout["lm_head"] = ("lm_head.weight", *transpose)
+  if cfg.num_experts:
+    F = cfg.moe_intermediate_size
+    for n in ("w_gate", "w_up", "w_down"):
+      del layout[n]
+    layout["router"] = (_per_layer("mlp.gate.weight"), *transpose)  # [E, D] <-> [D, E]
+    if fused_experts:
+      # gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F]
+      t = lambda x: x.transpose(0, 2, 1)
+      twice = lambda x: np.concatenate([t(x), t(x)], axis=1)
+      layout["we_gate"] = (_per_layer("mlp.experts.gate_up_proj"), lambda x: t(x[:, :F]), twice)
+      layout["we_up"] = (_per_layer("mlp.experts.gate_up_proj"), lambda x: t(x[:, F:]), twice)
+      layout["we_down"] = (_per_layer("mlp.experts.down_proj"), t, t)
+    else:
+      expert = lambda name: _per_layer("mlp.experts.{e}." + name)
+      layout["we_gate"] = (expert("gate_proj.weight"), *transpose)
+      layout["we_up"] = (expert("up_proj.weight"), *transpose)
+      layout["we_down"] = (expert("down_proj.weight"), *transpose)
   return layout
+
+
+def _slots(cfg: ModelConfig, hf_name: str) -> list[tuple[int, ...]]:
+  """The index of every array an HF tensor name stands for: () global, (i,) per layer, (i, e)
+  per layer and expert."""
+  if "{e}" in hf_name:
+    return [(i, e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
+  if "{i}" in hf_name:
+    return [(i,) for i in range(cfg.num_layers)]
+  return [()]
+
+
+def _tensor_name(hf_name: str, idx: tuple[int, ...]) -> str:
+  return hf_name.format(**dict(zip("ie", idx)))
 
 
 def _hf_shape(jaxrl_shape: tuple[int, ...], to_hf) -> tuple[int, ...]:
@@ -181,6 +221,27 @@ def _rope_fields(hf: dict, config_path: str) -> dict:
   return out
 
 
+def _moe_fields(hf: dict, architecture: str, config_path: str) -> dict:
+  """`ModelConfig` mixture-of-experts fields from an HF config ({} for a dense architecture);
+  refuses layers that keep a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1)."""
+  if architecture not in MOE_ARCHITECTURES:
+    return {}
+  layers = int(hf["num_hidden_layers"])
+  step = int(hf.get("decoder_sparse_step", 1) or 1)
+  dense = sorted(set(hf.get("mlp_only_layers") or ()) | {i for i in range(layers)
+                                                          if (i + 1) % step})
+  if dense:
+    raise UnsupportedModelError(f"{config_path}: layers {dense} have a dense MLP "
+                                "(mlp_only_layers / decoder_sparse_step); jaxrl's "
+                                "mixture-of-experts model has experts in every layer")
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if experts is None:
+    raise HFCheckpointError(f"{config_path}: missing field 'num_experts'")
+  return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+          "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+          "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+
+
 def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: bool = False,
                    config_path: str = CONFIG_FILE) -> ModelConfig:
   """A `ModelConfig` from a parsed HF `config.json`; raises on anything it cannot represent."""
@@ -190,6 +251,7 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
     raise UnsupportedModelError(f"{config_path}: architectures={archs!r} is not supported; "
                                 f"expected one of {sorted(ARCHITECTURES)}")
   _, qkv_bias, qk_norm = ARCHITECTURES[supported[0]]
+  moe = _moe_fields(hf, supported[0], config_path)
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise UnsupportedModelError(f"{config_path}: hidden_act={act!r} is not supported (only silu)")
@@ -218,7 +280,7 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, scan_layers: boo
         mlp_dim=int(hf["intermediate_size"]), **rope,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias, qk_norm=qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), param_dtype=param_dtype,
-        dtype=param_dtype, scan_layers=scan_layers)
+        dtype=param_dtype, scan_layers=scan_layers, **moe)
   except KeyError as e:
     raise HFCheckpointError(f"{config_path}: missing field {e.args[0]!r}") from None
 
@@ -258,7 +320,7 @@ def _tensor_files(model_dir: str) -> dict[str, str]:
 
 def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
             scan_layers: bool = False):
-  """Loads a Llama / Qwen2 / Qwen3 HF checkpoint: returns `(ModelConfig, graphdef, params)`.
+  """Loads a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF checkpoint: returns `(ModelConfig, graphdef, params)`.
 
   `param_dtype=None` keeps the checkpoint's dtype (its config's `dtype`/`torch_dtype`); the
   compute dtype follows the parameter dtype (`dataclasses.replace` the config and rebuild the
@@ -275,38 +337,34 @@ def load_hf(model_dir: str, *, mesh=None, param_dtype: str | None = None,
                        config_path=config_path)
   graphdef, abstract = abstract_model(cfg)
   files = _tensor_files(model_dir)
-  layout = _hf_layout(cfg)
+  fused = cfg.num_experts > 0 and "model.layers.0.mlp.experts.down_proj" in files
+  layout = _hf_layout(cfg, fused_experts=fused)
   np_dtype = _NP_DTYPES[cfg.param_dtype]
 
   # Every (jaxrl name, layer) slot to fill, grouped by file so each file is opened once.
-  wanted: dict[str, list[tuple[str, int | None, str]]] = {}
+  wanted: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
   for name, (hf_name, _, _) in layout.items():
-    layers = range(cfg.num_layers) if "{i}" in hf_name else [None]
-    for i in layers:
-      tensor = hf_name.format(i=i) if i is not None else hf_name
+    for idx in _slots(cfg, hf_name):
+      tensor = _tensor_name(hf_name, idx)
       if tensor not in files:
         where = INDEX_FILE if os.path.exists(os.path.join(model_dir, INDEX_FILE)) else SINGLE_FILE
         raise HFCheckpointError(f"{os.path.join(model_dir, where)}: tensor {tensor!r} "
                                 "is missing")
-      wanted.setdefault(files[tensor], []).append((name, i, tensor))
+      wanted.setdefault(files[tensor], []).append((name, idx, tensor))
 
   shapes = {path[0].key: x.shape for path, x in
             jax.tree_util.tree_flatten_with_path(abstract)[0]}
   host = {name: np.empty(shapes[name], np_dtype) for name in layout}
   for path, slots in wanted.items():
     with _open_safetensors(path) as f:
-      for name, i, tensor in slots:
+      for name, idx, tensor in slots:
         _, to_jaxrl, to_hf = layout[name]
-        want = _hf_shape(shapes[name][1:] if i is not None else shapes[name], to_hf)
+        want = _hf_shape(shapes[name][len(idx):], to_hf)
         x = f.get_tensor(tensor)
         if tuple(x.shape) != tuple(want):
           raise HFCheckpointError(f"{path}: tensor {tensor!r} has shape {tuple(x.shape)}, "
                                   f"expected {tuple(want)} from {CONFIG_FILE}")
-        y = to_jaxrl(x).astype(np_dtype)
-        if i is None:
-          host[name][...] = y
-        else:
-          host[name][i] = y
+        host[name][idx] = to_jaxrl(x).astype(np_dtype)
 
   shardings = None
   if mesh is not None:
@@ -328,6 +386,8 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
     raise UnsupportedModelError(f"architecture={architecture!r} is not supported; expected one of "
                                 f"{sorted(ARCHITECTURES)}")
   model_type, qkv_bias, qk_norm = ARCHITECTURES[architecture]
+  if (architecture in MOE_ARCHITECTURES) != (cfg.num_experts > 0):
+    raise ValueError(f"{architecture} does not match the model's num_experts={cfg.num_experts}")
   if (cfg.qkv_bias, cfg.qk_norm) != (qkv_bias, qk_norm):
     raise ValueError(f"{architecture} needs qkv_bias={qkv_bias}, qk_norm={qk_norm}; the model "
                      f"has qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}")
@@ -369,8 +429,13 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict:
     out["attention_bias"] = False
   if model_type == "llama":
     out["mlp_bias"] = False
-  if model_type in ("qwen2", "qwen3"):
+  if model_type in ("qwen2", "qwen3", "qwen3_moe"):
     out["use_sliding_window"] = False
+  if model_type == "qwen3_moe":
+    out.update(attention_bias=False, num_experts=cfg.num_experts,
+               num_experts_per_tok=cfg.num_experts_per_tok,
+               moe_intermediate_size=cfg.moe_intermediate_size,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
   return out
 
 
@@ -390,11 +455,8 @@ def save_hf(model_dir: str, cfg: ModelConfig, params, *, architecture: str) -> N
   tensors = {}
   for name, (hf_name, _, to_hf) in layout.items():
     x = np.asarray(jax.device_get(flat[name]))
-    if "{i}" in hf_name:
-      for i in range(cfg.num_layers):
-        tensors[hf_name.format(i=i)] = np.ascontiguousarray(to_hf(x[i]))
-    else:
-      tensors[hf_name] = np.ascontiguousarray(to_hf(x))
+    for idx in _slots(cfg, hf_name):
+      tensors[_tensor_name(hf_name, idx)] = np.ascontiguousarray(to_hf(x[idx]))
   os.makedirs(model_dir, exist_ok=True)
   save_file(tensors, os.path.join(model_dir, SINGLE_FILE), metadata={"format": "pt"})
   with open(os.path.join(model_dir, CONFIG_FILE), "w") as f:
@@ -402,5 +464,5 @@ def save_hf(model_dir: str, cfg: ModelConfig, params, *, architecture: str) -> N
     f.write("\n")
 
 
-__all__ = ["ARCHITECTURES", "HFCheckpointError", "UnsupportedModelError", "config_from_hf",
+__all__ = ["ARCHITECTURES", "MOE_ARCHITECTURES", "HFCheckpointError", "UnsupportedModelError", "config_from_hf",
            "config_to_hf", "load_hf", "save_hf"]
