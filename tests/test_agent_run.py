@@ -35,6 +35,17 @@ def test_config_rejects_an_agent_that_does_not_import():
     config_lib.validate(cfg, jax.device_count())
 
 
+@pytest.mark.parametrize("over,key", [
+    (dict(task__name="agent:test_agent_run:answer+add"), "config.task.name"),
+    (dict(rollout__engine="continuous", rollout__partial_rollouts=True),
+     "config.rollout.partial_rollouts")])
+def test_config_rejects_what_agent_tasks_do_not_do(over, key):
+  cfg = _tiny_cfg(**{"task__name": "agent:test_agent_run:answer", **over})
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(cfg, jax.device_count())
+  assert [q for q in e.value.problems if q.startswith(key + ":")], e.value.problems
+
+
 @pytest.mark.slow  # a 4-step run plus validation through the server: ~40 s on 2 busy cores
 def test_an_agent_task_trains_with_exact_forced_lag(tmp_path):
   lag, steps = 2, 4

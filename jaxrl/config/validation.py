@@ -412,6 +412,13 @@ def _check_task(good: dict[str, Any], problems: list[str]) -> None:
   if weights and len(weights.split(",")) != len(names):
     problems.append(f"{p}task.weights: {len(weights.split(','))} weights for the {len(names)} "
                     f"task(s) of {p}task.name = {name!r}; give one per task")
+  agents = [n for n in names if n.startswith("agent:")]
+  if agents and len(names) > 1:
+    problems.append(f"{p}task.name: the agent task {agents[0]!r} runs alone (its loop plays "
+                    f"every episode of the run); drop the other tasks of {name!r}")
+  if agents and good.get("rollout.partial_rollouts"):
+    problems.append(f"{p}rollout.partial_rollouts: an agent task serves each batch with one "
+                    f"params version; set it to false")
   regs = [registry.TASKS.get(n) for n in names]
   if None in regs:  # names given by the caller (validate's task_names), not registered here
     return
