@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
@@ -241,6 +242,21 @@ def math_verify_available() -> bool:
 VAL_FRACTION = 0.1  # of `task.path`'s rows held out for validation without `task.val_path`
 
 
+def _not_a_file(path: str) -> str | None:
+  """What stands at `path` when it is there but not a regular file (a directory, a named pipe,
+  ...); None when nothing is there."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return None
+  for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                     (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                     (stat.S_ISBLK, "a block device")):
+    if test(mode):
+      return kind
+  return "a special file"
+
+
 def math_checks(values) -> list[str]:
   """Task 'math' reads its rows from `task.path` (and `task.val_path`, if set): each file must
   exist and every row be valid (read whole here: a bad row is named by file and line before the
@@ -256,7 +272,11 @@ def math_checks(values) -> list[str]:
     if not path:
       continue
     if not os.path.isfile(path):
-      problems.append(f"{p}{key}: no file {path!r} (task 'math' reads its {what} from it)")
+      kind = _not_a_file(path)
+      problems.append(f"{p}{key}: no file {path!r} (task 'math' reads its {what} from it)"
+                      if kind is None else
+                      f"{p}{key}: {path!r} is {kind}, not a regular file (task 'math' reads its "
+                      f"{what} from a file, checking every row before the run starts)")
       continue
     try:
       counts[key] = len(read_jsonl(path))

@@ -27,6 +27,8 @@ import threading
 import time
 import traceback
 
+from jaxrl.core.errors import UserError
+
 # Waits wake at least this often so a deadline is never overshot by more than this, even if a
 # notify were missed; notifies do the real work.
 _POLL_S = 0.05
@@ -41,8 +43,9 @@ class WorkerFailed(RuntimeError):
   traceback text, so the trainer's error shows where the worker actually failed."""
 
 
-class StallError(RuntimeError):
-  """No batch arrived within `rollout.stall_timeout_s` while the trainer waited."""
+class StallError(UserError, RuntimeError):
+  """No batch arrived within `rollout.stall_timeout_s` while the trainer waited: one line naming
+  the key (`python -m jaxrl.train` ends with it, without a traceback)."""
 
 
 class LagGate:
@@ -176,8 +179,9 @@ class LagGate:
           if now >= deadline:
             raise StallError(
                 f"no rollout batch arrived for {self.stall_timeout_s:g} s while the trainer waited "
-                f"for batch {self._consumed} (rollout.stall_timeout_s={self.stall_timeout_s:g}); "
-                f"gate: {self._stats_locked()}")
+                f"for batch {self._consumed} (rollout.stall_timeout_s={self.stall_timeout_s:g}; "
+                "raise it if rollouts are this slow, or look for what holds the rollout "
+                f"worker); gate: {self._stats_locked()}")
           self._cond.wait(min(_POLL_S, deadline - now))
       finally:
         self._trainer_wait_s += time.monotonic() - start
@@ -241,7 +245,8 @@ class LagGate:
         left = deadline - time.monotonic()
         if left <= 0:
           raise StallError(f"the rollout worker did not finish its reserved batches within "
-                           f"{timeout:g} s for a checkpoint; gate: {self._stats_locked()}")
+                           f"{timeout:g} s for a checkpoint (rollout.stall_timeout_s); gate: "
+                           f"{self._stats_locked()}")
         self._cond.wait(min(_POLL_S, left))
 
   def checkpoint_state(self) -> dict:

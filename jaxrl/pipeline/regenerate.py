@@ -8,11 +8,13 @@ sampled and kept or dropped whole, never split.
 
 from __future__ import annotations
 
+from jaxrl.core.errors import UserError
 from jaxrl.pipeline.gate import PipelineClosed
 
 
-class RegenerationCapError(RuntimeError):
-  """Slots were still filtered after `rollout.max_regenerations` re-samples."""
+class RegenerationCapError(UserError, RuntimeError):
+  """Slots were still filtered after `rollout.max_regenerations` re-samples (one line naming
+  the key)."""
 
 
 def fill_batch(batch_id: int, num_groups: int, sample, keep, max_regenerations: int,

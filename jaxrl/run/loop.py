@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 
 from jaxrl import parallel
+from jaxrl.core.errors import UserError
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner.rl import CompileAhead, build_rl_step
 from jaxrl.learner.step import model_params
@@ -39,6 +40,10 @@ from jaxrl.run.validation import Evaluator
 
 class TrainingHalted(RuntimeError):
   """The run stopped itself (e.g. `train.max_skipped_updates`) after saving a checkpoint."""
+
+
+class BatchLayoutError(UserError, RuntimeError):
+  """A train batch whose rows are not in groups of one prompt (`train.share_prompts`)."""
 
 
 @dataclasses.dataclass
@@ -172,9 +177,10 @@ class _Steps:
     self.parts.data.discard(item.meta)  # the step consumed these rows
     self.loop.step = t
     if int(m["prompt_layout_errors"]):
-      raise RuntimeError(f"step {t}: the train batch's rows are not in groups of "
-                         f"{self.parts.cfg.rollout.group_size} with one prompt each; the update "
-                         "was not applied (set train.share_prompts=false to train it row by row)")
+      raise BatchLayoutError(f"step {t}: the train batch's rows are not in groups of "
+                             f"{self.parts.cfg.rollout.group_size} with one prompt each; the "
+                             "update was not applied (set train.share_prompts=false to train it "
+                             "row by row)")
     self.loop.count_skipped(int(m["skipped_nonfinite"]))
     return m
 

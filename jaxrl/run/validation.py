@@ -38,13 +38,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxrl.core.errors import UserError
 from jaxrl.pipeline import BatchMeta
 from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.rollout.precision import needs_cast, rollout_dtype
 
 
-class EvaluationStalled(RuntimeError):
-  """An evaluation pass did not finish within `val.max_wait_s`."""
+class EvaluationStalled(UserError, RuntimeError):
+  """An evaluation pass did not finish within `val.max_wait_s` (one line naming the key)."""
 
 
 class EvaluationFailed(RuntimeError):
@@ -168,7 +169,8 @@ class Evaluator:
           self.wait_s += time.monotonic() - t0
           raise EvaluationStalled(
               f"the evaluation pass of step {self._busy} did not finish within "
-              f"val.max_wait_s={self.max_wait_s:g}")
+              f"val.max_wait_s={self.max_wait_s:g} s; raise val.max_wait_s (or lower "
+              "val.batch_size / task.val_size) if evaluation is this slow")
         self._cond.wait(min(left, 0.05))
       self.wait_s += time.monotonic() - t0
       self._raise_if_failed()

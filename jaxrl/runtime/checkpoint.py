@@ -40,8 +40,11 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import shutil
 import warnings
 
 import jax
@@ -50,6 +53,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxrl.core.errors import UserError
+from jaxrl.runtime import quiet
 
 CHECKPOINT_SUBDIR = "checkpoints"
 _ITEMS = ("state", "host")
@@ -71,6 +75,24 @@ def _os_cause(e: BaseException) -> BaseException:
       return seen
     seen = seen.__cause__ or seen.__context__
   return e
+
+
+def _errno_of(e: BaseException) -> int | None:
+  """The OS error number behind a failed write: an OSError's, or the one TensorStore writes into
+  its message (`[os_error_code='28']`, raised by Orbax as a ValueError)."""
+  seen = e
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.errno is not None:
+      return seen.errno
+    found = re.search(r"os_error_code='(\d+)'", str(seen))
+    if found:
+      return int(found.group(1))
+    seen = seen.__cause__ or seen.__context__
+  return None
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:.1f} MiB"
 
 
 def step_problem(directory: str, step: int) -> str | None:
@@ -131,6 +153,8 @@ class Checkpointer:
     self.directory = _abs(directory)
     self.keep = keep
     self.read_only = read_only
+    self.save_bytes = 0  # the arrays and host JSON of the last save: what a save needs on disk
+    quiet.install()  # Orbax's threads repeat a failure this class reports (jaxrl.runtime.quiet)
     if read_only:
       # Reading another run's checkpoints: no tmp cleanup (its save may be in flight), no pruning.
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
@@ -177,12 +201,15 @@ class Checkpointer:
                     f"(it resumed from an older step) and saves step {step}", stacklevel=2)
       for s in newer:
         self._mngr.delete(s)
+    self.save_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + \
+        len(json.dumps(host))
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
     try:
       return bool(self._mngr.save(
           step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     host=ocp.args.JsonSave(host))))
-    except OSError as e:  # a full disk, a read-only or vanished directory
+    except Exception as e:  # noqa: BLE001  a full disk, a read-only or vanished directory; also
+      # the previous save's failure, which Orbax raises here (a ValueError for TensorStore's)
       raise self._save_failed(e) from e
 
   def wait(self) -> None:
@@ -202,9 +229,24 @@ class Checkpointer:
       raise self._save_failed(e) from e
 
   def _save_failed(self, e: BaseException) -> CheckpointError:
+    """One line: the directory, and for a full disk the space a checkpoint needs and the space
+    left; else the OS error (or the innermost error's first line)."""
+    code = _errno_of(e)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+      try:
+        free = _mib(shutil.disk_usage(self.directory).free)
+      except OSError:
+        free = "unknown"
+      return CheckpointError(
+          f"saving a checkpoint in {self.directory} failed: {os.strerror(code)} (a "
+          f"checkpoint of this run needs about {_mib(self.save_bytes)}, {free} free there); "
+          "free space or point --config.run_dir elsewhere, then rerun the same command to "
+          "resume; the checkpoints already there are intact")
     cause = _os_cause(e)
+    text = f"{type(cause).__name__}: {cause}" if cause is not e or isinstance(e, OSError) \
+        else restore_cause(e)
     return CheckpointError(f"saving a checkpoint in {self.directory} failed: "
-                           f"{type(cause).__name__}: {cause}; the checkpoints already there are "
+                           f"{text.splitlines()[0][:400]}; the checkpoints already there are "
                            "intact")
 
   def all_steps(self) -> list[int]:

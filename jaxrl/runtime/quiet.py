@@ -1,0 +1,73 @@
+"""Orbax's background noise, silenced: what its threads print about a failure that also reaches
+the caller, who reports it in one line (`jaxrl.runtime.checkpoint`).
+
+A save that fails (a full disk) or a restore that fails (a damaged checkpoint) leaves Orbax's
+threads and TensorStore's callbacks to report it again, each with a traceback:
+
+- TensorStore's callbacks into an event loop Orbax has already closed print `RuntimeError: Event
+  loop is closed` through `sys.excepthook`, one traceback per pending read or write;
+- Orbax logs each failed background operation at ERROR with its traceback (absl logging);
+- coroutines of the failed operation that never ran are reported as "Exception ignored" when
+  they are collected, at the latest when the process exits.
+
+`install()` filters exactly these (the first by its type, message and raising frame, the others
+by the Orbax source file they come from); every other exception, log line and warning passes.
+`JAXRL_DEBUG=1` leaves them all on the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_ORBAX = os.sep + "orbax" + os.sep
+_installed = False
+
+
+def debug() -> bool:
+  """`JAXRL_DEBUG` asks for every traceback (anything but "", "0", "false")."""
+  return os.environ.get("JAXRL_DEBUG", "").strip().lower() not in ("", "0", "false")
+
+
+def closed_loop_callback(exc_type, exc, tb) -> bool:
+  """A TensorStore callback into an Orbax event loop that is already closed."""
+  if exc_type is not RuntimeError or str(exc) != "Event loop is closed":
+    return False
+  last = None
+  while tb is not None:
+    last, tb = tb, tb.tb_next
+  return last is not None and last.tb_frame.f_code.co_name == "_check_closed"
+
+
+def from_orbax(obj) -> bool:
+  """An Orbax coroutine (never run, or abandoned with its operation)."""
+  code = getattr(obj, "cr_code", None)
+  return code is not None and _ORBAX in code.co_filename
+
+
+class _OrbaxErrors(logging.Filter):
+  """Drops Orbax's ERROR records (a failed background operation, which its caller also raises)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and _ORBAX in (record.pathname or ""))
+
+
+def install() -> None:
+  """Installs the filters once per process (nothing with `JAXRL_DEBUG`)."""
+  global _installed
+  if _installed or debug():
+    return
+  _installed = True
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def quiet_excepthook(exc_type, exc, tb):
+    if not closed_loop_callback(exc_type, exc, tb):
+      excepthook(exc_type, exc, tb)
+
+  def quiet_unraisablehook(unraisable):
+    if not from_orbax(unraisable.object):
+      unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+  logging.getLogger("absl").addFilter(_OrbaxErrors())  # Orbax logs through absl's logger
