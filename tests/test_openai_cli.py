@@ -60,3 +60,12 @@ def test_serves_a_hugging_face_directory(tmp_path):
   finally:
     proc.terminate()
     proc.wait(60)
+
+
+def test_run_directories_that_cannot_be_served_end_as_one_line(tmp_path, capsys):
+  assert serve.main(["--openai", "--run", str(tmp_path)]) == 1
+  assert "config.json is missing" in capsys.readouterr().err
+  (tmp_path / "config.json").write_text("{}")
+  assert serve.main(["--openai", "--run", str(tmp_path)]) == 1
+  err = capsys.readouterr().err
+  assert err.startswith("jaxrl: ") and "not started from a Hugging Face model" in err
