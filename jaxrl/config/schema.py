@@ -23,7 +23,7 @@ from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, ATTENTION_IMPLS, CORRECTION_
                               DECODE_ATTENTION_IMPLS,
                               CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS,
                               KV_CACHE_DTYPES, LORA_TARGETS,
-                              LR_SCHEDULES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
+                              LR_SCHEDULES, MOE_DISPATCHES, POLICY_LOSSES, REDUCTIONS, REMAT_POLICIES,
                               REWARD_FIELDS)
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -154,6 +154,10 @@ RULES: list[tuple[str, Rule]] = [
     *((f"model.{k}", _ge(1)) for k in
       ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")),
     ("model.vocab_size", _ge(0)),
+    ("model.num_experts", _ge(0)),
+    ("model.num_experts_per_tok", _ge(1)),
+    ("model.moe_intermediate_size", _ge(1)),
+    ("model.moe_dispatch", _one_of(MOE_DISPATCHES)),
     ("model.head_dim", (lambda v: v % 2 == 0, "even (RoPE rotates pairs of dims)")),
     ("model.rope_theta", _gt(0)),
     ("model.rms_eps", _gt(0)),
@@ -247,6 +251,7 @@ RULES: list[tuple[str, Rule]] = [
     ("loss.reduction", _one_of(set(REDUCTIONS))),
     ("loss.norm_len", _ge(0)),
     ("loss.entropy_coef", _ge(0)),
+    ("loss.moe_aux_coef", _ge(0)),
     *((f"loss.{k}", _gt(0)) for k in CORRECTION_CAPS),
     *((f"loss.{k}", _ge(0)) for k in CORRECTION_BAND_KEYS),
     ("loss.seq_logprob_error_threshold",

@@ -45,6 +45,8 @@ REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "dense", "xla", "cudnn", "pallas_tpu")
 # `model.decode_attention`: single-token decode over the KV cache (`jaxrl.kernels.decode_attention`).
 DECODE_ATTENTION_IMPLS = ("auto", "dense", "xla", "pallas_tpu", "pallas_gpu")
+# `model.moe_dispatch`: a mixture-of-experts layer's grouped matmul (`jaxrl.models.moe`).
+MOE_DISPATCHES = ("auto", "ragged_dot", "blocked")
 # jaxrl.kernels.attention: the implementations of its masked attention over packed rows.
 ATTENTION_KERNELS = ("reference", "xla", "pallas_tpu", "cudnn")
 # jaxrl.kernels.decode_attention: one query token per row against a KV cache.

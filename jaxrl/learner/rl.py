@@ -52,7 +52,7 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
                     num_microbatches=1 if packing else config_lib.run_microbatches(cfg, shards),
                     shared_prompts=config_lib.shared_prompts(cfg),
                     pack_tokens=cfg.train.microbatch_tokens if packing else 0,
-                    logprob_impl=logprob_impl(cfg))
+                    logprob_impl=logprob_impl(cfg), moe_aux_coef=cfg.loss.moe_aux_coef)
 
 
 def lora_model(parts) -> ModelConfig | None:

@@ -42,6 +42,7 @@ from jaxrl import losses
 from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
+from jaxrl.models import moe
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import KVCache
 from jaxrl.core.types import TrainBatch, TrainState
@@ -80,6 +81,9 @@ class StepConfig:
   # of this many positions, one per row shard in each micro-batch; micro-batches run until every
   # row has (their count follows the batch's tokens, `num_microbatches` is not used). 0: off.
   pack_tokens: int = 0
+  # Mixture-of-experts models: the weight of the load-balancing loss (`moe.aux_loss`, logged as
+  # `moe/aux_loss` whatever its weight), added per micro-batch divided by `num_microbatches`.
+  moe_aux_coef: float = 0.0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -142,18 +146,25 @@ def prompt_layout_ok(batch: TrainBatch, group: int) -> jax.Array:
 
 def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: StepConfig,
                         with_entropy: bool = True, lora_dropout_key: jax.Array | None = None,
-                        packed: tuple | None = None) -> tuple[jax.Array, jax.Array | None]:
+                        packed: tuple | None = None, router_stats: list | None = None
+                        ) -> tuple[jax.Array, jax.Array | None]:
   """Trainer-side `(logp, entropy)` [B, N] through the fused kernel (no [B, N, V] logits).
   `params`: the model's `nnx.State`, or a tuple of states that together make it (LoRA: the
   frozen base and the adapters). `packed`: `(PackedBatch, micro-batch, shards)`: run that
-  micro-batch's packed rows instead (`packing.packed_logprobs`)."""
+  micro-batch's packed rows instead (`packing.packed_logprobs`). `router_stats`: a list that
+  receives a mixture-of-experts model's `moe.RouterStats` of the passes (none for a dense one)."""
   model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
   if packed is not None:
-    return packing.packed_logprobs(model, *packed, batch, with_entropy=with_entropy,
-                                   impl=cfg.logprob_impl, chunk=cfg.logprob_chunk,
-                                   lora_dropout_key=lora_dropout_key)
+    out = packing.packed_logprobs(model, *packed, batch, with_entropy=with_entropy,
+                                  impl=cfg.logprob_impl, chunk=cfg.logprob_chunk,
+                                  lora_dropout_key=lora_dropout_key)
+    if router_stats is not None:
+      router_stats.extend(moe.pop_router_stats(model))
+    return out
   hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key,
                              packed=bool(cfg.pack_prompts))
+  if router_stats is not None:
+    router_stats.extend(moe.pop_router_stats(model))
   b, n, d = hidden.shape
   out = fused_logprob(
       hidden.reshape(b * n, d), model.unembedding().astype(hidden.dtype),
@@ -169,14 +180,16 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
   if frozen is not None:  # LoRA: the model is the frozen base with these adapters
     params = (frozen, params)
     ref_params = None if ref_params is None else (frozen, ref_params)
+  router: list = []
   if cfg.loss == "sft":
     logp, _ = completion_logprobs(graphdef, params, batch, cfg, with_entropy=False,
-                                  lora_dropout_key=key, packed=packed)
+                                  lora_dropout_key=key, packed=packed, router_stats=router)
     loss_sum, n = losses.nll(logp, batch.mask)
     loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
-    return loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {}, {})
+    return _with_moe_aux(loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {},
+                                                  {}), router, cfg)
   logp, entropy = completion_logprobs(graphdef, params, batch, cfg, lora_dropout_key=key,
-                                      packed=packed)
+                                      packed=packed, router_stats=router)
   if o.entropy_coef == 0:
     entropy = jax.lax.stop_gradient(entropy)
   lp_ref = None
@@ -191,9 +204,23 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
                                         packed=packed)
     lp_teacher = jax.lax.stop_gradient(lp_teacher)
   # One update per batch: the "old" policy is the current one, so r = 1 with its gradient.
-  return losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask, counts,
-                          lp_gen=batch.rollout_logprobs, lp_ref=lp_ref, entropy=entropy,
-                          lp_teacher=lp_teacher)
+  loss, stats = losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask,
+                                 counts, lp_gen=batch.rollout_logprobs, lp_ref=lp_ref,
+                                 entropy=entropy, lp_teacher=lp_teacher)
+  return _with_moe_aux(loss, stats, router, cfg)
+
+
+def _with_moe_aux(loss, stats, router: list, cfg: StepConfig):
+  """`(loss, stats)` of a micro-batch plus a mixture-of-experts model's load-balancing loss over
+  `router` (its passes' `moe.RouterStats`), weighted by `cfg.moe_aux_coef` and logged as the
+  mean `moe/aux_loss`; unchanged for a dense model (no statistics)."""
+  if not router:
+    return loss, stats
+  aux = moe.pooled_aux_loss(router)
+  if cfg.moe_aux_coef:
+    loss = loss + cfg.moe_aux_coef / cfg.num_microbatches * aux
+  means = {**stats.means, "moe/aux_loss": (jax.lax.stop_gradient(aux), jnp.ones((), aux.dtype))}
+  return loss, stats._replace(means=means)
 
 
 def _split(x: jax.Array, m: int, group: int = 1) -> jax.Array:

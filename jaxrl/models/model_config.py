@@ -37,7 +37,7 @@ ATTENTION_IMPLS = names.ATTENTION_IMPLS
 
 # How a mixture-of-experts layer runs its experts' products (`ModelConfig.moe_dispatch`,
 # `jaxrl.models.moe.resolve_dispatch`).
-MOE_DISPATCHES = ("auto", "ragged_dot", "blocked")
+MOE_DISPATCHES = names.MOE_DISPATCHES
 
 
 # "auto" on CPU: rows up to this many positions attend densely (the fastest form there, and the

@@ -138,6 +138,15 @@ def aux_loss(stats: RouterStats, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum(f * prob)
 
 
+def pooled_aux_loss(passes: list[RouterStats]) -> jax.Array:
+  """`aux_loss` over the statistics of several forward passes (e.g. a prompt pass and a
+  completion pass) pooled as one."""
+  e = passes[0].counts.shape[-1]
+  cat = lambda f: jnp.concatenate([getattr(s, f).reshape(-1, e) for s in passes])
+  tokens = jnp.concatenate([s.tokens.reshape(-1) for s in passes])
+  return aux_loss(RouterStats(cat("counts"), cat("probs"), tokens, passes[0].experts), e)
+
+
 def expert_shapes(cfg) -> dict[str, tuple[int, ...]]:
   """Per-layer shapes of the MoE weights (without the leading layer axis)."""
   d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -190,9 +191,14 @@ class Transformer(nnx.Module):
                                              policy)
     if stats is not None:
       # A mixture-of-experts model's routing, per layer, appended for `moe.pop_router_stats`.
+      # A model merged outside the loop that calls it (the sampler's decode) cannot record;
+      # nothing reads statistics there.
       prev = getattr(self, "router_stats", None)
       before = () if prev is None else prev.get_value()
-      self.router_stats = nnx.Intermediate((*before, stats))
+      try:
+        self.router_stats = nnx.Intermediate((*before, stats))
+      except flax.errors.TraceContextError:
+        pass
     new_cache = None
     if cache is not None:
       new_cache = constrain_kv_cache(KVCache(k, v, key_valid))

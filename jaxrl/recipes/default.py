@@ -98,6 +98,17 @@ def get_config() -> ConfigDict:
   # (every slot, f32 keys) | "xla" (filled slots only, in the cache's dtype) | "pallas_tpu" |
   # "pallas_gpu" (Pallas kernels; no TPU or GPU has run them yet).
   c.model.decode_attention = "auto"
+  # Mixture of experts (Qwen3-MoE, docs/moe.md): experts per layer; 0 = one dense SwiGLU MLP.
+  c.model.num_experts = 0
+  # Experts each token goes to: its top-k by float32 router probability.
+  c.model.num_experts_per_tok = 2
+  # Width of each expert's SwiGLU MLP (mlp_dim is unused when num_experts > 0).
+  c.model.moe_intermediate_size = 64
+  # Renormalise each token's top-k router probabilities to sum 1 (as Qwen3-MoE checkpoints do).
+  c.model.norm_topk_prob = True
+  # The experts' grouped matmul: "auto" (CPU: blocked, else ragged_dot) | "ragged_dot" |
+  # "blocked" (whole tiles per expert).
+  c.model.moe_dispatch = "auto"
   # LoRA for the RL phase (rank 0: off, every parameter trains). With a rank, RL trains only
   # low-rank adapters (Flax NNX `nnx.LoRA`, f32) on the `targets` projections of every layer;
   # the base stays frozen, the optimizer holds state for the adapters alone, and a published
@@ -276,6 +287,8 @@ def get_config() -> ConfigDict:
   c.loss.reduction = "token_mean"
   c.loss.norm_len = 0  # seq_mean_token_sum_norm's constant; 0 = rollout.max_new_tokens
   c.loss.entropy_coef = 0.0  # entropy bonus (subtracted from the loss)
+  # Mixture-of-experts models: weight of the load-balancing loss (logged as moe/aux_loss always).
+  c.loss.moe_aux_coef = 0.0
   # Off-policy corrections against the sampler's log-probs, "+"-joined and applied in order:
   # token_tis | seq_tis | icepop | seq_mask_tis | geo_mask | product_mask | outlier_mask |
   # dppo_tv (jaxrl.losses.corrections); "none" = off.

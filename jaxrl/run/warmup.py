@@ -66,7 +66,8 @@ def warmup(parts, params, out: metrics_lib.MetricsWriter, progress: metrics_lib.
   opt = make_optimizer(cfg.learning_rate, b1=parts.cfg.train.b1, b2=parts.cfg.train.b2,
                        eps=parts.cfg.train.adam_eps,
                        grad_clip=parts.cfg.train.grad_clip)
-  step_cfg = StepConfig(loss="sft", logprob_impl=logprob_impl(parts.cfg))
+  step_cfg = StepConfig(loss="sft", logprob_impl=logprob_impl(parts.cfg),
+                        moe_aux_coef=parts.cfg.loss.moe_aux_coef)
   step_fn, init_state = build_train_step(parts.graphdef, opt, step_cfg, parts.mesh, params)
   state = init_state(params)
   evaluator = Evaluator(parts, asynchronous=False)
