@@ -195,3 +195,18 @@ def test_experts_sharded_over_eight_devices_match_one(devices):
   np.testing.assert_allclose(l8, l1, atol=1e-5)
   np.testing.assert_allclose(a8, a1, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g8, g1)
+
+
+def test_qwen3_30b_a3b_preset_counts():
+  """The preset's parameter count from its shapes (no allocation): per layer attention
+  D (H + 2 K) Dh + H Dh D = 2048 (32 + 8) 128 + 32 128 2048 = 18,874,368, q/k norms 256, two
+  RMSNorms 4,096, router D E = 262,144, experts 3 E D F = 3 128 2048 768 = 603,979,776;
+  48 layers plus embedding and head 2 V D = 622,329,856 and the final norm: 30,532,122,624.
+  Active per token: 8 of 128 experts, 3,353,032,704."""
+  cfg = ModelConfig.qwen3_30b_a3b()
+  _, params = abstract_model(cfg)
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  assert total == 30_532_122_624
+  expert = 3 * 128 * 2048 * 768
+  active = total - 48 * expert + 48 * expert * 8 // 128
+  assert active == 3_353_032_704

@@ -191,6 +191,16 @@ class ModelConfig:
     return cls(**kw)
 
   @classmethod
+  def qwen3_30b_a3b(cls, **overrides) -> "ModelConfig":
+    """Qwen3-30B-A3B shapes (30.5B parameters, 3.35B active per token: 8 of 128 experts)."""
+    kw = dict(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+              head_dim=128, mlp_dim=6144, rope_theta=1000000.0, rms_eps=1e-6, qk_norm=True,
+              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+              norm_topk_prob=True, scan_layers=True)
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
   def from_config(cls, model_cfg, vocab_size: int) -> "ModelConfig":
     """From the `model` section of a run config (`vocab_size=0` there means the task's)."""
     fields = {f.name for f in dataclasses.fields(cls)}
