@@ -360,8 +360,8 @@ def test_choose_step_skips_unusable_checkpoints(tmp_path):
     f.write(text[:len(text) // 2])
   assert step_problem(ck_dir, 3).startswith("host/metadata is unreadable (JSONDecodeError")
   assert choose_step(ck_dir, say=said.append) == (2, {"step": 2})
-  assert said == [f"checkpoint {ck_dir}/3 is unusable ({step_problem(ck_dir, 3)}); trying the "
-                  "one before it"]
+  assert said == [f"jaxrl: checkpoint {ck_dir}/3 is unusable ({step_problem(ck_dir, 3)}); "
+                  "trying the one before it"]
   os.remove(os.path.join(ck_dir, "2", "state", "_METADATA"))
   assert step_problem(ck_dir, 2) == "state/_METADATA is missing"
   assert choose_step(ck_dir, say=said.append)[0] == 1

@@ -132,7 +132,7 @@ def _phases(s: Session, cfg, io: RunIO, step: RLStep) -> dict:
       params, rl_summary = rl(s.parts, params, s.topology, io, start=loop_start, step=step)
       break
     except checkpoint.UnreadableStep as e:  # found by the restore: try the one before it
-      io.progress.say(f"{e}; trying the one before it")
+      io.progress.say(f"jaxrl: {e}; trying the one before it")
       # That step and the newer ones (reported when it was chosen) are passed over silently.
       unreadable.update(x for x in checkpoint.complete_steps(e.directory) if x >= e.step)
       s.out.close()

@@ -372,7 +372,7 @@ def choose_step(directory: str, step: int | None = None, *, exclude=(), say=prin
     where = os.path.join(directory, str(s))
     if step is not None:
       raise CheckpointError(f"checkpoint {where} is unusable: {problem}")
-    say(f"checkpoint {where} is unusable ({problem}); trying the one before it")
+    say(f"jaxrl: checkpoint {where} is unusable ({problem}); trying the one before it")
   raise CheckpointError(f"no usable checkpoint in {directory} (steps {steps}); start over with "
                         "--config.resume=none --config.overwrite=true, or resume from another "
                         "directory")
