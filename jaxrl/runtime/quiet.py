@@ -5,7 +5,8 @@ A save that fails (a full disk) or a restore that fails (a damaged checkpoint) l
 threads and TensorStore's callbacks to report it again, each with a traceback:
 
 - TensorStore's callbacks into an event loop Orbax has already closed print `RuntimeError: Event
-  loop is closed` through `sys.excepthook`, one traceback per pending read or write;
+  loop is closed` (through `sys.unraisablehook`, without an object, or `sys.excepthook`), one
+  traceback per pending read or write;
 - Orbax logs each failed background operation at ERROR with its traceback (absl logging);
 - coroutines of the failed operation that never ran are reported as "Exception ignored" when
   they are collected, at the latest when the process exits.
@@ -66,7 +67,8 @@ def install() -> None:
       excepthook(exc_type, exc, tb)
 
   def quiet_unraisablehook(unraisable):
-    if not from_orbax(unraisable.object):
+    if not (from_orbax(unraisable.object) or closed_loop_callback(
+        unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)):
       unraisablehook(unraisable)
 
   sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
