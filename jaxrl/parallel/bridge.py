@@ -25,6 +25,10 @@ and nothing goes through a host. Rollout rows, metrics-sized host data, go the o
 through the coordination service's key-value store (`Channel`): small, and host data anyway (the
 data plane's metadata and the rewards are computed on the host), so no device program has to be
 ordered against the publish.
+
+`VersionServer` and `fetch_version` carry byte strings by version over plain TCP, point to point:
+the transport of params versions meant to replace the exchange when rollout processes may be
+lost (docs/failures.md, "Rollout processes that come and go"); a run does not use them yet.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from __future__ import annotations
 import functools
 import io
 import json
+import socket
+import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -111,6 +118,132 @@ class Channel:
       self.client.key_value_delete(f"{self.prefix}{key}/{i}")
     self.client.key_value_delete(f"{self.prefix}{key}/n")
     return b"".join(parts)
+
+
+class VersionGone(RuntimeError):
+  """The version asked of a `VersionServer` is older than the ones it keeps."""
+
+
+class VersionServer:
+  """Serves byte strings by version over plain TCP, one connection per request: the transport
+  of params versions that survives a lost peer (docs/failures.md). A lost or hung client costs
+  its own connection thread only (every socket call has a timeout); nothing else waits for it.
+
+  The server's owner `publish`es each version's bytes and `retire_below`s the ones no batch
+  needs any more; a client `fetch_version`s a version, waiting up to its timeout for it to be
+  published. `address` is what clients connect to (the port is picked when `port` is 0).
+  """
+
+  def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
+    self.timeout_s = float(timeout_s)
+    self._sock = socket.create_server((host, port))
+    self._sock.settimeout(0.2)
+    self.address = f"{host}:{self._sock.getsockname()[1]}"
+    self._versions: dict[int, bytes] = {}
+    self._oldest = 0  # versions below it are retired
+    self._cond = threading.Condition()
+    self._stop = threading.Event()
+    self.served = 0  # whole versions sent
+    self.failed: list[str] = []  # one line per connection that broke off (a lost client)
+    self._thread = threading.Thread(target=self._accept, name="version-server", daemon=True)
+    self._thread.start()
+
+  def publish(self, version: int, data: bytes) -> None:
+    with self._cond:
+      self._versions[version] = bytes(data)
+      self._cond.notify_all()
+
+  def retire_below(self, version: int) -> None:
+    """Forgets every version below `version`; asking for one of them is `VersionGone`."""
+    with self._cond:
+      self._oldest = max(self._oldest, version)
+      for v in [v for v in self._versions if v < version]:
+        del self._versions[v]
+      self._cond.notify_all()
+
+  def close(self) -> None:
+    self._stop.set()
+    with self._cond:
+      self._cond.notify_all()
+    self._thread.join(timeout=5)
+    self._sock.close()
+
+  def _accept(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except TimeoutError:
+        continue
+      except OSError:  # closed
+        return
+      threading.Thread(target=self._serve, args=(conn,), name="version-server-conn",
+                       daemon=True).start()
+
+  def _serve(self, conn: socket.socket) -> None:
+    try:
+      with conn:
+        conn.settimeout(self.timeout_s)
+        version = int(_read_line(conn))
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+          while (version not in self._versions and version >= self._oldest
+                 and not self._stop.is_set() and time.monotonic() < deadline):
+            self._cond.wait(0.2)
+          data = self._versions.get(version)
+          gone = version < self._oldest
+        if data is None:
+          why = f"version {version} is retired" if gone else f"version {version} not published"
+          conn.sendall(b"E" + why.encode() + b"\n")
+          return
+        conn.sendall(b"V" + len(data).to_bytes(8, "little"))
+        conn.sendall(data)
+      self.served += 1
+    except (OSError, ValueError) as e:  # the client went away or sent garbage: its loss only
+      self.failed.append(f"{type(e).__name__}: {e}"[:200])
+
+
+def _read_line(conn: socket.socket, limit: int = 64) -> str:
+  got = b""
+  while not got.endswith(b"\n"):
+    part = conn.recv(1)
+    if not part or len(got) > limit:
+      raise ValueError("a request line was cut short")
+    got += part
+  return got.decode().strip()
+
+
+def fetch_version(address: str, version: int, timeout_s: float = 60.0) -> bytes:
+  """Version `version`'s bytes from the `VersionServer` at `address` ("host:port"), waiting up
+  to `timeout_s` for each step (the server's own wait included).
+
+  Raises:
+    VersionGone: the server has retired it.
+    TimeoutError: it was not published in time, or the server stopped answering.
+    ConnectionError: the server went away.
+  """
+  host, port = address.rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+    conn.settimeout(timeout_s + 5)  # past the server's own wait, which answers first
+    conn.sendall(f"{version}\n".encode())
+    kind = _recv_exact(conn, 1)
+    if kind == b"E":
+      why = _read_line(conn, 200)
+      if "retired" in why:
+        raise VersionGone(f"{address}: {why}")
+      raise TimeoutError(f"{address}: {why} within {timeout_s:g} s")
+    n = int.from_bytes(_recv_exact(conn, 8), "little")
+    return _recv_exact(conn, n)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+  buf = bytearray(n)
+  view, got = memoryview(buf), 0
+  while got < n:
+    k = conn.recv_into(view[got:], min(1 << 22, n - got))
+    if k == 0:
+      raise ConnectionError(f"the connection closed after {got} of {n} bytes")
+    got += k
+  return bytes(buf)
 
 
 def pack(arrays: dict, header: dict) -> bytes:

@@ -15,6 +15,15 @@ and when the coordination service itself stops answering for `timeout_s` (it liv
 0). A process that finishes says so (`finish`), so a peer that ends later does not count it as
 lost. The rerun of the same command on every process resumes from the last checkpoint.
 
+Processes named `droppable` (rollout processes that may come and go, docs/failures.md) are
+dropped instead: silent for `timeout_s`, or failed, such a process is reported once to
+`on_lost` (and listed in `dropped`) while this process goes on; when a new start of it beats
+(the same command started again joins with the same id; each start writes a token of its own,
+so a hung process that wakes up is not taken for one that came back) it is reported to
+`on_back` and watched as before. Whether a lost process can leave the others running at all is
+JAX's decision as much as this module's: only with `jax_enable_recoverability` on
+(docs/failures.md has what the runtime does either way).
+
 JAX's runtime has the last word: it ends a process at once when process 0 (the coordination
 service) is gone ("the JAX distributed service detected fatal errors"), and any process whose
 heartbeat it has missed for its own timeout, which `jaxrl.parallel.distributed.join` sets to
@@ -50,12 +59,16 @@ class PeerWatch:
 
   `client`: the key-value store (`key_value_set(key, value, allow_overwrite)`,
   `key_value_dir_get(prefix)`); `exit`: what ends the process (`os._exit` by default; a test
-  passes its own). `report` receives the one-line message before `exit(1)`.
+  passes its own). `report` receives the one-line message before `exit(1)`. `droppable`: the
+  processes dropped rather than fatal when lost; `on_lost(q, why)` and `on_back(q)` are called
+  on the watch's threads when one is dropped or beats again (they must return promptly).
   """
 
   def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
                interval_s: float | None = None, exit: Callable[[int], None] = os._exit,
-               report: Callable[[str], None] | None = None):
+               report: Callable[[str], None] | None = None, droppable=(),
+               on_lost: Callable[[int, str], None] | None = None,
+               on_back: Callable[[int], None] | None = None):
     self.client, self.me, self.n = client, process_id, num_processes
     self.timeout_s = float(timeout_s)
     self.interval_s = interval_s if interval_s is not None else min(2.0, self.timeout_s / 10)
@@ -69,6 +82,12 @@ class PeerWatch:
     self._stop = threading.Event()
     self._lock = threading.Lock()
     self._threads: list[threading.Thread] = []
+    self.droppable = frozenset(droppable) - {process_id}
+    self.dropped: set[int] = set()  # droppable processes lost and not back
+    self.token = f"{os.getpid()}-{time.time_ns()}"  # this start of this process
+    self._tokens: dict[int, str | None] = {}  # process -> the token of its start last seen
+    self._dropped_token: dict[int, str | None] = {}  # process -> its token when dropped
+    self._on_lost, self._on_back = on_lost, on_back
 
   # --- this process's side -----------------------------------------------------------------------
 
@@ -101,7 +120,8 @@ class PeerWatch:
     horizon = self.timeout_s + 3 * self.interval_s + 2  # a beat is seen up to an interval late
     deadline = time.monotonic() + (horizon if wait_s is None else wait_s)
     while time.monotonic() < deadline and not self._stop.is_set():
-      if all(self._peer_states.get(q, "running") != "running" for q in self._seen):
+      if all(self._peer_states.get(q, "running") != "running" or q in self.dropped
+             for q in self._seen):
         break
       time.sleep(min(0.2, self.interval_s))
     self._stop.set()
@@ -124,7 +144,8 @@ class PeerWatch:
 
   def _write(self) -> None:
     with self._lock:
-      value = json.dumps({"beat": self.beat, "state": self.state, "why": self.why})
+      value = json.dumps({"beat": self.beat, "state": self.state, "why": self.why,
+                          "token": self.token})
     self.client.key_value_set(f"{KEY}{self.me}", value, allow_overwrite=True)
 
   def _heartbeat(self) -> None:
@@ -151,8 +172,16 @@ class PeerWatch:
         states[q] = info.get("state", "running")
         if info.get("beat") != self._seen[q][0]:
           self._seen[q] = (info.get("beat"), now)
+        self._tokens[q] = info.get("token")
+        if q in self.dropped and states[q] == "running" and \
+            self._tokens[q] != self._dropped_token.get(q):
+          self._back(q)
         if states[q] == "failed":
-          self._end(f"process {q} of {self.n} failed ({info.get('why') or 'see its output'})")
+          why = f"process {q} of {self.n} failed ({info.get('why') or 'see its output'})"
+          if q in self.droppable:
+            self._drop(q, why)
+          else:
+            self._end(why)
       self._peer_states = states
 
   def _judge(self) -> None:
@@ -162,11 +191,32 @@ class PeerWatch:
         self._end(f"lost process 0 of {self.n}: the coordination service it runs has not "
                   f"answered for {self.timeout_s:.0f} s (killed, crashed, hung or cut off)")
       for q, (_, changed) in sorted(self._seen.items()):
-        if self._peer_states.get(q, "running") in ("done", "exiting"):
+        if self._peer_states.get(q, "running") in ("done", "exiting") or q in self.dropped:
           continue
         if now - changed > self.timeout_s:
-          self._end(f"lost process {q} of {self.n}: no heartbeat for {self.timeout_s:.0f} s "
-                    "(killed, crashed, hung or cut off)")
+          why = (f"lost process {q} of {self.n}: no heartbeat for {self.timeout_s:.0f} s "
+                 "(killed, crashed, hung or cut off)")
+          if q in self.droppable:
+            self._drop(q, why)
+          else:
+            self._end(why)
+
+  def _drop(self, q: int, why: str) -> None:
+    with self._lock:
+      if q in self.dropped or self.verdict is not None:
+        return
+      self.dropped.add(q)
+      self._dropped_token[q] = self._tokens.get(q)
+    if self._on_lost is not None:
+      self._on_lost(q, why)
+
+  def _back(self, q: int) -> None:
+    with self._lock:
+      if q not in self.dropped:
+        return
+      self.dropped.discard(q)
+    if self._on_back is not None:
+      self._on_back(q)
 
   def _end(self, what: str) -> None:
     with self._lock:
