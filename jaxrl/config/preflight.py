@@ -28,7 +28,8 @@ def default_run_dir(name: str, stamp: str) -> str:
 # The keys a Hugging Face model directory decides (model.hf_path).
 HF_ARCHITECTURE_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                         "head_dim", "mlp_dim", "rope_theta", "rms_eps", "qkv_bias", "qk_norm",
-                        "tie_embeddings", "init_std")
+                        "tie_embeddings", "init_std", "num_experts", "num_experts_per_tok",
+                        "moe_intermediate_size", "norm_topk_prob")
 
 
 # The `hf` extra's modules: a Hugging Face model's weights, tokenizer and chat template.

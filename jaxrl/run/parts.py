@@ -251,7 +251,8 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
       raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat,
                                     attention=cfg.model.attention,
-                                    decode_attention=cfg.model.get("decode_attention", "auto"))
+                                    decode_attention=cfg.model.get("decode_attention", "auto"),
+                                    moe_dispatch=cfg.model.get("moe_dispatch", "auto"))
     graphdef, _ = abstract_model(model_cfg)
   else:
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
