@@ -43,6 +43,7 @@ from jaxrl.data import hf_files
 LIMIT_ENV = "JAXRL_DEVICE_MEMORY_BYTES"
 WARN_FRACTION = 0.9  # a plan above this share of the device's memory is a warning line
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_CACHE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 GIB = 1 << 30
 
 # Buffers of `positions x width` of the train step's temporaries, by remat policy: per layer kept
@@ -290,7 +291,13 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
   rollout = good["rollout.dtype"]
   param_b, compute_b = DTYPE_BYTES[good["model.param_dtype"]], DTYPE_BYTES[good["model.dtype"]]
   rollout_b = param_b if rollout == "auto" else DTYPE_BYTES[rollout]
-  cache_b = compute_b if rollout == "auto" else DTYPE_BYTES[rollout]
+  # The sampler's KV cache at `rollout.kv_cache_dtype` ("auto": bfloat16 on a GPU or TPU, the
+  # sampler's compute dtype on CPU; `jaxrl.models.model_config.resolve_kv_cache_dtype`).
+  kv_dtype = good.get("rollout.kv_cache_dtype", "auto")
+  if kv_dtype == "auto":
+    kv_dtype = "bfloat16" if backend in ("gpu", "tpu") else None
+  cache_b = KV_CACHE_BYTES[kv_dtype] if kv_dtype else (
+      compute_b if rollout == "auto" else DTYPE_BYTES[rollout])
   colocated = not mesh.disaggregated
   r_data, _, r_tensor = (mesh.data, mesh.fsdp, mesh.tensor) if colocated else mesh.rollout_shape
   share_rows = -(-rows // max(num_processes, 1))

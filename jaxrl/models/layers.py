@@ -203,7 +203,8 @@ def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array
                      dtype) -> jax.Array:
   """Attention of one query per row over a whole cache: q [B, K, G, Dh], keys slot-minor k_t
   [B, K, Dh, S], values v [B, K, S, Dh], mask broadcastable to [B, K, G, 1, S]. Scores and
-  softmax in float32; returns [B, K, G, Dh] in `dtype`.
+  softmax in float32; returns [B, K, G, Dh] in `dtype` (values of another dtype, e.g. an 8-bit
+  cache, are upcast to it for the product).
 
   Single-token decode reads the whole cache once per layer and is bound by that traffic;
   with slot-minor keys both products stream contiguous rows (measured 1.3x the whole
@@ -212,7 +213,7 @@ def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array
   s = jnp.einsum("bkgd,bkds->bkgs", qd, k_t.astype(jnp.float32))[:, :, :, None] * scale
   s = jnp.where(mask, s, MASK_VALUE)
   w = jax.nn.softmax(s, axis=-1).astype(dtype)
-  return jnp.einsum("bkgs,bksd->bkgd", w[:, :, :, 0], v).astype(dtype)
+  return jnp.einsum("bkgs,bksd->bkgd", w[:, :, :, 0], v.astype(dtype)).astype(dtype)
 
 
 # `model.attention` names whose `jaxrl.kernels.attention` implementation is named otherwise.

@@ -16,6 +16,10 @@ import jax.numpy as jnp
 from jaxrl.core import names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# What a KV cache may be stored in (`ModelConfig.kv_cache_dtype`): the compute dtypes and two
+# 8-bit floats (keys and values rounded to them as written, no scale; read back upcast).
+KV_CACHE_DTYPES = {**DTYPES, "float8_e4m3fn": jnp.float8_e4m3fn,
+                   "float8_e5m2": jnp.float8_e5m2}
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 
@@ -82,6 +86,21 @@ def resolve_decode_attention(choice: str, backend: str | None = None) -> str:
   return "dense" if backend == "cpu" else "xla"
 
 
+def resolve_kv_cache_dtype(choice: str | None, dtype: str, backend: str | None = None) -> str:
+  """The KV cache's storage dtype for `choice` (`names.KV_CACHE_DTYPES`, or None: the compute
+  dtype) on a model computing in `dtype`, on `backend` (None: JAX's default, read when called).
+  "auto" is bfloat16 on a GPU or TPU (half the bytes every decode step reads) and `dtype` on
+  CPU, where the default run was measured with it."""
+  if choice is None:
+    return dtype
+  if choice not in names.KV_CACHE_DTYPES:
+    raise ValueError(f"kv_cache_dtype={choice!r} is not one of {names.KV_CACHE_DTYPES}")
+  if choice != "auto":
+    return choice
+  backend = jax.default_backend() if backend is None else backend
+  return dtype if backend == "cpu" else "bfloat16"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture; fields are enough to describe real Llama/Qwen checkpoints."""
@@ -128,6 +147,11 @@ class ModelConfig:
   # "xla" (only the filled slots, up to the longest row, in the cache's dtype), "pallas_tpu",
   # "pallas_gpu" or "auto".
   decode_attention: str = "auto"
+  # The KV cache's storage (`resolve_kv_cache_dtype`): None = the compute dtype `dtype` (the
+  # trainer's model), or a `names.KV_CACHE_DTYPES` name (the sampler's model: `rollout.
+  # kv_cache_dtype`). Attention reads it in that dtype and upcasts inside; 8-bit floats are
+  # upcast to the compute dtype for the products. Log-probs stay the float32 softmax's.
+  kv_cache_dtype: str | None = None
   # LoRA (`jaxrl.models.lora`): rank 0 = none. With a rank, every layer gets an `nnx.LoRA`
   # adapter (A [din, rank], B [rank, dout], `nnx.LoRAParam`) on each of `lora_targets`
   # (`names.LORA_TARGETS`), whose product scaled by `lora_alpha / lora_rank` is added to that
@@ -154,6 +178,7 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
     resolve_attention(self.attention, "cpu")  # raises on an unknown name
     resolve_decode_attention(self.decode_attention, "cpu")
+    resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, "cpu")
     unknown = set(self.lora_targets) - set(names.LORA_TARGETS)
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ValueError(f"lora_targets={self.lora_targets!r}: a non-empty subset of "
@@ -225,9 +250,11 @@ class KVCache(NamedTuple):
 
   @staticmethod
   def zeros(cfg: ModelConfig, batch: int, slots: int) -> "KVCache":
+    """An empty cache of `batch` rows and `slots` slots, keys and values in the config's
+    `kv_cache_dtype` (`resolve_kv_cache_dtype`)."""
     k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, slots)
     v_shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
-    dt = DTYPES[cfg.dtype]
+    dt = KV_CACHE_DTYPES[resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype)]
     # Separate buffers throughout: the decode loop donates the cache, and XLA refuses to donate
     # one buffer twice.
     if cfg.scan_layers:

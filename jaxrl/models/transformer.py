@@ -425,7 +425,12 @@ def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Ar
 
 
 def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:
-  """`buf` with `new` (cast to buf's dtype) written at offsets `at`."""
+  """`buf` with `new` (cast to buf's dtype) written at offsets `at`. Into an 8-bit float cache
+  (`ModelConfig.kv_cache_dtype`) values are clipped to its finite range first: float8_e4m3fn has
+  no infinity, and an out-of-range cast would store NaN."""
+  if jnp.issubdtype(buf.dtype, jnp.floating) and jnp.dtype(buf.dtype).itemsize == 1:
+    top = float(jnp.finfo(buf.dtype).max)
+    new = jnp.clip(new, -top, top)
   return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), at)
 
 

@@ -66,8 +66,10 @@ class _Core:
   functions of `make_engine_fns` and `make_driver_fns`, which share them so that both give
   the same tokens)."""
 
-  def __init__(self, graphdef, *, num_slots, max_prompt_len, max_new_tokens, eos_ids, pad_id):
+  def __init__(self, graphdef, *, num_slots, max_prompt_len, max_new_tokens, eos_ids, pad_id,
+               fused_sampling=None):
     self.graphdef, self.B, self.N = graphdef, num_slots, max_new_tokens
+    self.fused = fused_sampling
     self.S = max_prompt_len + max_new_tokens
     self.eos_ids, self.pad_id = eos_tuple(eos_ids, "make_engine_fns"), pad_id
 
@@ -94,7 +96,8 @@ class _Core:
     prompt = jnp.zeros((S,), jnp.int32).at[:prefix.tokens.shape[0]].set(prefix.tokens)
     seq = put(state.seq, jnp.where(in_prompt, prompt, pad_id)[None])
     request_key = jax.random.fold_in(key, request_id)
-    tok, lp = pick_tokens(prefix.logits[None], 0, request_key[None], temperature, top_k, top_p)
+    tok, lp = pick_tokens(prefix.logits[None], 0, request_key[None], temperature, top_k, top_p,
+                          self.fused)
     first = jnp.arange(N) == 0
     set_ = lambda buf, value: buf.at[slot].set(value)
     return DecodeState(
@@ -119,7 +122,8 @@ class _Core:
       # Done slots still run (fixed shapes) but feed an invalid token and record nothing.
       logits, cache = _decode_slots(model, layers, s.last, s.pos, live, s.cache)
       cache = place_cache(cache, mesh)
-      tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p)
+      tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p,
+                            self.fused)
       fed = (jnp.arange(s.seq.shape[1])[None, :] == s.pos[:, None]) & live[:, None]
       new = (jnp.arange(N)[None, :] == s.count[:, None]) & live[:, None]
       count = s.count + live
@@ -145,11 +149,14 @@ class _Core:
 
 
 def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
-                    max_new_tokens: int, eos_ids: Sequence[int], pad_id: int):
+                    max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
+                    fused_sampling: bool | None = None):
   """The pure jitted functions of the engine: `(init_decode_state, prefill, insert, generate,
-  refresh)`; see `engine`'s module docstring. Shapes are fixed by the arguments here."""
+  refresh)`; see `engine`'s module docstring. Shapes are fixed by the arguments here;
+  `fused_sampling` is `static_sampler.pick_tokens`'s `fused`."""
   core = _Core(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
-               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+               fused_sampling=fused_sampling)
   B, N, S = core.B, core.N, core.S
 
   @functools.partial(jax.jit, static_argnames=("mesh",))
@@ -195,7 +202,7 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
 
 def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
                     max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                    pool_rows: int) -> DriverFns:
+                    pool_rows: int, fused_sampling: bool | None = None) -> DriverFns:
   """Batched versions of `prefill`, `insert` and `generate` for a host driver, one dispatch
   however many prompts or rows each handles (see `engine`'s module docstring):
 
@@ -220,7 +227,8 @@ def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
   windowed cache must hold every position its live slots reach within the dispatch.
   """
   core = _Core(graphdef, num_slots=num_slots, max_prompt_len=max_prompt_len,
-               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+               max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+               fused_sampling=fused_sampling)
   B, Q, Lmax = core.B, pool_rows, max_prompt_len
 
   @functools.partial(jax.jit, static_argnames=("mesh",))

@@ -109,13 +109,16 @@ class Engine:
   program, compiled on first use (`warmup` compiles them all). `short_window` None picks the
   largest power of two <= S/4 if it is at least 2 x max_prompt_len (else no split); 0 turns the
   split off. `compact=False` decodes every slot over the whole cache in every dispatch.
+
+  `fused_sampling` is `static_sampler.pick_tokens`'s `fused` (None: on off CPU). The slots' KV
+  cache is of the model's `kv_cache_dtype` (`init_decode_state(params).cache`).
   """
 
   def __init__(self, graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: int,
                max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int,
                prefill_buckets: Sequence[int] | None = None, steps_per_dispatch: int = 8,
                refresh_kv: bool = True, prefill_batch: int = 16, compact: bool = True,
-               short_window: int | None = None):
+               short_window: int | None = None, fused_sampling: bool | None = None):
     eos_ids = eos_tuple(eos_id, "Engine")
     if (num_slots < 1 or max_new_tokens < 1 or max_prompt_len < 1 or steps_per_dispatch < 1
         or prefill_batch < 1):
@@ -132,7 +135,8 @@ class Engine:
     self.steps_per_dispatch, self.refresh_kv = steps_per_dispatch, refresh_kv
     self.pool_rows = prefill_batch
     shape = dict(num_slots=num_slots, max_prompt_len=max_prompt_len,
-                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                 fused_sampling=fused_sampling)
     # Engines of one model and shape share their jitted functions, and so their compiled
     # programs (the trainer builds several; so do tests and benchmarks).
     (self.init_decode_state, self._prefill, self.insert, self.generate,

@@ -2,8 +2,10 @@
 
 `rollout_dtype(cfg)` is the dtype the sampler's model runs in, or None where it is the trainer's
 ("auto", or both `model.param_dtype` and `model.dtype` already that dtype). `rollout_model(cfg,
-model_cfg)` is the sampler's model config: params *and* compute (hence the KV cache) in that
-dtype. Log-probs stay float32 whatever it is (`jaxrl.models.token_logprobs` casts the logits).
+model_cfg)` is the sampler's model config: params *and* compute in that dtype, and the KV cache
+in `rollout.kv_cache_dtype` ("auto": bfloat16 on a GPU or TPU, the compute dtype on CPU, so the
+default run computes as before). Log-probs stay float32 whatever they are
+(`jaxrl.models.token_logprobs` casts the logits).
 
 `cast_params(params, dtype)` makes the sampler's copy of a params version: a fresh buffer for
 every leaf (floating leaves cast, others copied), on the leaf's own sharding, as one jitted
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models import DTYPES, ModelConfig
+from jaxrl.models.model_config import resolve_kv_cache_dtype
 
 
 def rollout_dtype(cfg) -> str | None:
@@ -31,11 +34,22 @@ def rollout_dtype(cfg) -> str | None:
   return d
 
 
-def rollout_model(cfg, model_cfg: ModelConfig) -> ModelConfig:
-  """The sampler's model config: `model_cfg` itself for the trainer's precision, else with params
-  and compute (so the KV cache) in `rollout_dtype(cfg)`."""
+def kv_cache_dtype(cfg, compute_dtype: str, backend: str | None = None) -> str:
+  """The sampler's KV cache dtype of run config `cfg` (`rollout.kv_cache_dtype`) for a sampler
+  computing in `compute_dtype`, on `backend` (None: JAX's default): "auto" is bfloat16 on a GPU
+  or TPU and `compute_dtype` on CPU (`resolve_kv_cache_dtype`)."""
+  return resolve_kv_cache_dtype(cfg.rollout.get("kv_cache_dtype", "auto"), compute_dtype,
+                                backend)
+
+
+def rollout_model(cfg, model_cfg: ModelConfig, backend: str | None = None) -> ModelConfig:
+  """The sampler's model config: `model_cfg` itself for the trainer's precision and a KV cache in
+  its compute dtype, else with params and compute in `rollout_dtype(cfg)` and the cache in
+  `kv_cache_dtype(cfg, ...)` (`backend`: as there)."""
   d = rollout_dtype(cfg)
-  return model_cfg if d is None else dataclasses.replace(model_cfg, param_dtype=d, dtype=d)
+  out = model_cfg if d is None else dataclasses.replace(model_cfg, param_dtype=d, dtype=d)
+  kv = kv_cache_dtype(cfg, out.dtype, backend)
+  return out if kv == out.dtype else dataclasses.replace(out, kv_cache_dtype=kv)
 
 
 def cast_first(params, dtype: str | None) -> bool:

@@ -88,9 +88,46 @@ def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
   return functools.reduce(jnp.logical_or, [tok == e for e in eos_ids])
 
 
+def resolve_fused_sampling(choice: bool | None, backend: str | None = None) -> bool:
+  """Whether `pick_tokens` takes its fused form: `choice` itself, or for None ("auto") off on
+  CPU (the default run's sampler keeps its exact log-probs, bit for bit) and on elsewhere.
+  `backend` None: JAX's default, read when the decode step is traced."""
+  if choice is not None:
+    return bool(choice)
+  return (jax.default_backend() if backend is None else backend) != "cpu"
+
+
+def _logsumexp_one_pass(z: jax.Array) -> jax.Array:
+  """`logsumexp(z, -1)` of z [B, V] as one reduction over (running max, rescaled sum) pairs, so
+  z and `exp(z - max)` stay inside the reduction's loop instead of becoming [B, V] arrays (a
+  sum of exponentials is otherwise split into a windowed pre-reduction that reads a
+  materialised input)."""
+
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    rescale = lambda mi, si: jnp.where(mi == m, si, si * jnp.exp(mi - m))
+    return m, rescale(m1, s1) + rescale(m2, s2)
+
+  m, total = jax.lax.reduce((z, jnp.ones_like(z)), (jnp.float32(-jnp.inf), jnp.float32(0.0)),
+                            combine, (z.ndim - 1,))
+  return m + jnp.log(total)
+
+
+def _pick_untruncated(logits, keys, temperature):
+  """`pick_tokens` without top-k/top-p, in one pass's worth of [B, V] arrays: the f32 logits
+  are the only one; the scaled logits, the Gumbel draw, the argmaxes and the log-sum-exp are
+  each computed inside a reduction over them, and the token's log-prob is `z[tok] - lse`."""
+  z = scale_logits(logits, temperature)
+  drawn = jax.vmap(jax.random.categorical)(keys, z)
+  tok = jnp.where(temperature <= 0, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
+  picked = scale_logits(jnp.take_along_axis(logits, tok[:, None], axis=-1), temperature)[:, 0]
+  return tok, picked - _logsumexp_one_pass(z)
+
+
 def pick_tokens(logits: jax.Array, t: jax.Array | int, request_keys: jax.Array,
-                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
+                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                fused: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Draws token t of each row from logits [B, V] -> (tokens [B] int32, log-probs [B] f32).
 
   Shared by the static sampler and the slot engine so that both draw the same token from the
@@ -98,7 +135,26 @@ def pick_tokens(logits: jax.Array, t: jax.Array | int, request_keys: jax.Array,
   where `temperature <= 0`, top-k/top-p truncation only for the draw, and the log-prob contract
   of `token_logprobs` over the full vocabulary. Temperature, top-k and top-p are scalars (one
   setting for the batch) or one per row (the engine's slots each hold their own request).
+
+  `fused` (`resolve_fused_sampling`; None: on off CPU): a step without truncation makes no
+  [B, V] float32 array beyond `logits` (`_pick_untruncated`); the same tokens, log-probs within
+  float32 rounding of the separate form (a sum in another order). With top-k or top-p on, both
+  forms sort each row as before.
   """
+  if resolve_fused_sampling(fused):
+    t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), request_keys.shape)
+    keys = jax.vmap(jax.random.fold_in)(request_keys, t)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    truncating = jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
+    separate = lambda logits, keys, temp: _pick_separate(logits, keys, temp, top_k, top_p)
+    return jax.lax.cond(truncating, separate, _pick_untruncated, logits, keys, temperature)
+  t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), request_keys.shape)
+  return _pick_separate(logits, jax.vmap(jax.random.fold_in)(request_keys, t), temperature,
+                        top_k, top_p)
+
+
+def _pick_separate(logits, keys, temperature, top_k, top_p):
+  """`pick_tokens`'s separate form, given each row's key for this token."""
   greedy = temperature <= 0
   z = scale_logits(logits, temperature)
   if jnp.ndim(top_k) == 0 and jnp.ndim(top_p) == 0:
@@ -111,8 +167,6 @@ def pick_tokens(logits: jax.Array, t: jax.Array | int, request_keys: jax.Array,
     # truncates, as the scalar path does.
     z = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), per_row, lambda z, k, p: z,
                      z, top_k, top_p)
-  t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), request_keys.shape)
-  keys = jax.vmap(jax.random.fold_in)(request_keys, t)
   drawn = jax.vmap(jax.random.categorical)(keys, z)
   tok = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
   return tok, token_logprobs(logits, tok, temperature)
@@ -125,6 +179,7 @@ def make_sampler(
     max_new_tokens: int,
     eos_id: int | Sequence[int],
     pad_id: int,
+    fused_sampling: bool | None = None,
 ) -> Callable[..., SampleOutput]:
   """Returns `generate(params, prompts [P, Lp], prompt_valid [P, Lp], key, request_ids [P*G],
   temperature, top_k, top_p) -> SampleOutput` over P*G rows (prompt-major: row = p*G + g).
@@ -135,6 +190,9 @@ def make_sampler(
   `generate.prefill(params, prompts, prompt_valid, mesh=None)` and `generate.decode(...,
   mesh=None)` are the two jitted programs; `mesh` (static) is the mesh whose 'data' and 'tensor'
   axes split the KV cache (None: no placement of its own, e.g. one device).
+
+  `fused_sampling`: `pick_tokens`'s `fused` (None: on off CPU). The KV cache is of the model's
+  `kv_cache_dtype` (`KVCache.zeros`): `generate.prefill`'s first result is that cache.
   """
   G, N = num_samples, max_new_tokens
   eos_ids = eos_tuple(eos_id, "make_sampler")
@@ -184,13 +242,15 @@ def make_sampler(
                             s.cache, Lp + s.t - 1, layers=layers)
       logits = model.logits(hidden[:, 0])
       return emit(s._replace(cache=place(cache, mesh)),
-                  *pick_tokens(logits, s.t, request_keys, temperature, top_k, top_p))
+                  *pick_tokens(logits, s.t, request_keys, temperature, top_k, top_p,
+                               fused_sampling))
 
     empty = _DecodeState(cache, jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
                          jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
                          jnp.zeros((B, N), bool))
     # Token 0 comes from prefill's logits; the loop draws tokens 1.. until all rows ended.
-    s = emit(empty, *pick_tokens(first_logits, 0, request_keys, temperature, top_k, top_p))
+    s = emit(empty, *pick_tokens(first_logits, 0, request_keys, temperature, top_k, top_p,
+                                 fused_sampling))
     s = jax.lax.while_loop(lambda s: (s.t < N) & ~jnp.all(s.done), body, s)
     return SampleOutput(s.tokens, s.logprobs, s.mask, s.mask.sum(-1).astype(jnp.int32)), s.cache
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.decode_attention.reference import MASK_VALUE
+from jaxrl.kernels.decode_attention.reference import MASK_VALUE, operand_dtype
 
 # 64 slots: a [128, 64] bf16 key tile and a [16, 64] float32 score tile per step stay in
 # registers / shared memory at 4 warps.
@@ -70,7 +70,9 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, *, s
   def body(j, carry):
     m, l, acc = carry
     start = pl.multiple_of(j * bk, bk)
-    s = jnp.dot(q, k_ref[:, pl.ds(start, bk)], preferred_element_type=jnp.float32,
+    # The products take q's dtype (`operand_dtype`): 8-bit cache blocks are upcast as loaded.
+    kb = k_ref[:, pl.ds(start, bk)].astype(q.dtype)
+    s = jnp.dot(q, kb, preferred_element_type=jnp.float32,
                 precision=_precision(q)) * scale  # [Gp, bk]
     slots = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     keep = (valid_ref[pl.ds(start, bk)][None, :] != 0) & (slots < length[0])
@@ -78,7 +80,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, *, s
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(keep, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
-    vb = v_ref[pl.ds(start, bk), :]
+    vb = v_ref[pl.ds(start, bk), :].astype(q.dtype)
     pv = jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32,
                  precision=_precision(vb))
     return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + pv
@@ -118,7 +120,7 @@ def decode_attention(q, k_t, v, valid, lengths, *, scale: float, out_dtype,
   s_len = k_t.shape[-1]
   bk, sp, splits, per = plan(b, kh, s_len, block_k)
   gp, dp = max(_MIN_DOT, _pow2_ceil(g)), max(_MIN_DOT, _pow2_ceil(d))
-  qp = _pad(_pad(q.astype(k_t.dtype), 2, gp), 3, dp)
+  qp = _pad(_pad(q.astype(operand_dtype(q.dtype, k_t.dtype)), 2, gp), 3, dp)
   k_t, v = _pad(_pad(k_t, 2, dp), 3, sp), _pad(_pad(v, 3, dp), 2, sp)
   flags = _pad(valid.astype(jnp.int32), 1, sp)
   params = None

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.decode_attention.reference import MASK_VALUE
+from jaxrl.kernels.decode_attention.reference import MASK_VALUE, operand_dtype
 
 # 512 slots: a bf16 [128, 512] key block and a [512, 128] value block are 128 KiB each, double
 # buffered well inside VMEM; fewer grid steps than 128-slot blocks for the same bytes.
@@ -60,7 +60,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_sc, l_sc, acc_sc, 
 
   @pl.when(j * bk < length)
   def _block():
-    s = jnp.dot(q_ref[...], k_ref[...], preferred_element_type=jnp.float32) * scale  # [G, bk]
+    od = q_ref.dtype  # the products' dtype (`operand_dtype`): 8-bit cache blocks upcast here
+    s = jnp.dot(q_ref[...], k_ref[...].astype(od), preferred_element_type=jnp.float32) * scale
     slots = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     keep = (valid_ref[...] != 0) & (slots < length)  # [1, bk]
     s = jnp.where(keep, s, MASK_VALUE)
@@ -69,7 +70,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_sc, l_sc, acc_sc, 
     p = jnp.where(keep, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m_prev - m_new)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
+    acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(od), v_ref[...].astype(od),
                                                 preferred_element_type=jnp.float32)
     m_sc[...] = m_new
 
@@ -131,4 +132,4 @@ def decode_attention(q, k_t, v, valid, lengths, *, scale: float, out_dtype,
       compiler_params=params,
       interpret=interpret,
       name="decode_attention_tpu",
-  )(lengths, q.astype(k_t.dtype), k_t, v, flags)
+  )(lengths, q.astype(operand_dtype(q.dtype, k_t.dtype)), k_t, v, flags)

@@ -23,9 +23,18 @@ def slot_mask(valid: jax.Array, lengths: jax.Array) -> jax.Array:
   return valid & (slots[None, :] < lengths[:, None])
 
 
+def operand_dtype(q_dtype, cache_dtype):
+  """The dtype the products of every implementation take: the cache's, except an 8-bit float
+  cache, whose blocks are upcast to the query's dtype as they are read (a query rounded to 8
+  bits would lose too much, and 8-bit products are not on every device)."""
+  cache_dtype = jnp.dtype(cache_dtype)
+  return jnp.dtype(q_dtype) if cache_dtype.itemsize == 1 else cache_dtype
+
+
 def decode_attention(q, k_t, v, valid, lengths, *, scale: float, out_dtype, **_):
   """q `[B, K, G, Dh]`, k_t `[B, K, Dh, S]`, v `[B, K, S, Dh]` -> `[B, K, G, Dh]`."""
   mask = slot_mask(valid, lengths)[:, None, None, :]  # [B, 1, 1, S]
   s = jnp.einsum("bkgd,bkds->bkgs", q.astype(jnp.float32), k_t.astype(jnp.float32)) * scale
-  w = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgs,bksd->bkgd", w, v).astype(out_dtype)
+  od = operand_dtype(q.dtype, v.dtype)
+  w = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1).astype(od)
+  return jnp.einsum("bkgs,bksd->bkgd", w, v.astype(od)).astype(out_dtype)
