@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,6 +171,7 @@ def scenario(name: str, recoverable: bool, seconds: float = 30.0) -> None:
       print(f"  process {key}: {_last(log, 'checkpoint')!r}")
     print(f"  process {key}: rc {p.returncode}, last line {last!r}"
           f"{', ended by the runtime (fatal errors)' if fatal else ''}")
+  shutil.rmtree(out, ignore_errors=True)
 
 
 def _free_port() -> int:
