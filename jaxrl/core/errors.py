@@ -1,6 +1,8 @@
 """Errors a user can cause and fix: a bad config key, a missing or malformed file, a run directory
-in use. `python -m jaxrl.train` prints them as one line, `jaxrl: <message>`, and exits non-zero
-without a traceback (`--config.debug=true` or `JAXRL_DEBUG=1` shows it).
+in use; and, at run time, what a key or the machine decides: a full disk during a checkpoint, a
+rollout or evaluation stall (`rollout.stall_timeout_s`, `val.max_wait_s`), a regeneration cap.
+`python -m jaxrl.train` prints them as one line, `jaxrl: <message>`, and exits non-zero without a
+traceback (`--config.debug=true` or `JAXRL_DEBUG=1` shows it). docs/failures.md lists them.
 
 Each concrete error also derives from the built-in class it refines (ValueError for a malformed
 file, ...), so code that catches the built-in class keeps working.
