@@ -64,7 +64,8 @@ the same distribution):
 
 The rollout (`--rollout`, on with `--quick`; `"rollout": null` otherwise). The recipe's
 sampler as the trainer builds it: `make_sampler` on the sampler's model (`rollout_model`: the
-`rollout.dtype` params and compute, so the KV cache; "auto" keeps the trainer's), params placed
+`rollout.dtype` params and compute, "auto" keeping the trainer's, and the KV cache in
+`rollout.kv_cache_dtype`, or `--kv-cache-dtype`), params placed
 on the train mesh (colocated) with rows split over its 'data' axis, rollout.num_prompts x
 group_size rows, prompts of max_prompt_len real tokens (uniform over [2, vocab)), max_new_tokens
 new tokens each, the recipe's temperature / top-k / top-p, random weights of the same shape.
@@ -84,8 +85,9 @@ no communication):
 - W: the parameters a step's matmuls read, `flop_params` (an untied input table is a lookup of B
   rows, not read whole); bw: bytes of the sampler's param dtype, as the params are stored (the
   recipes' "auto" rollout dtype keeps f32 weights, cast to bf16 compute inside the step);
-- the filled KV cache, keys and values (2): L layers, K kv heads of Dh, bc bytes of the compute
-  dtype, B rows, Lp prompt slots plus the mean filled new slots: decode step s = 1 .. N-1 writes
+- the filled KV cache, keys and values (2): L layers, K kv heads of Dh, bc bytes of the cache's
+  dtype (`kv_cache_dtype` in the JSON: what the sampler's prefill returns, by
+  `rollout.kv_cache_dtype`; "auto" is bfloat16 on a GPU or TPU, the compute dtype on CPU), B rows, Lp prompt slots plus the mean filled new slots: decode step s = 1 .. N-1 writes
   token s-1 and attends Lp + s slots, mean N / 2.
 `roofline_tokens_per_s` = B / (bytes per step / peak bandwidth) and `fraction_of_roofline` =
 (B / decode step time) / that. The peak bandwidth comes from `PEAK_GBS` by `device_kind` (HBM
@@ -134,12 +136,13 @@ from jaxrl.learner.step import (
   to_rows,
 )
 from jaxrl.models.hf_checkpoint import config_from_hf
-from jaxrl.models.model_config import ModelConfig
+from jaxrl.core.names import KV_CACHE_DTYPES
+from jaxrl.models.model_config import ModelConfig, resolve_kv_cache_dtype
 from jaxrl.models.transformer import abstract_model, init_model
 from jaxrl.parallel.sharding import make_mesh, mesh_of
 from jaxrl.rollout.precision import rollout_model
 from jaxrl.rollout.samplers import rows_over
-from jaxrl.rollout.static_sampler import make_sampler
+from jaxrl.rollout.static_sampler import make_sampler, resolve_fused_sampling
 
 # Published config.json shapes, by the recipe checkpoint directory's name (lower case).
 ARCHITECTURES = {
@@ -485,6 +488,9 @@ def time_rollout(cfg, model_cfg: ModelConfig, mesh, args) -> dict:
   P, G, Lp, N = shape["prompts"], shape["group"], shape["prompt_len"], shape["new_tokens"]
   rows = P * G
   rcfg = rollout_model(cfg, model_cfg)
+  if args.kv_cache_dtype:  # the flag replaces the recipe's rollout.kv_cache_dtype
+    rcfg = dataclasses.replace(rcfg, kv_cache_dtype=resolve_kv_cache_dtype(
+        args.kv_cache_dtype, rcfg.dtype))
   t0 = time.perf_counter()
   graphdef, params = init_model(rcfg, cfg.seed)
   params = shard_params(params, mesh)  # colocated: the trainer samples on the train mesh
@@ -513,7 +519,8 @@ def time_rollout(cfg, model_cfg: ModelConfig, mesh, args) -> dict:
   if args.hf:
     hf, hf_reason = hf_runner(rcfg, shape, prompts, valid, args.torch_threads)
   log(f"rollout: {rows} rows ({P} x {G}) of {Lp} + {N}, {rcfg.param_dtype} params, "
-      f"{rcfg.dtype} compute; init {init_s:.1f}s; HF: {hf_reason or 'on'}")
+      f"{rcfg.dtype} compute, KV cache {rcfg.kv_cache_dtype or rcfg.dtype}; init {init_s:.1f}s; "
+      f"HF: {hf_reason or 'on'}")
   first_s = None
   for i in range(args.rollout_warmup):
     t0 = time.perf_counter()
@@ -543,14 +550,20 @@ def time_rollout(cfg, model_cfg: ModelConfig, mesh, args) -> dict:
   med, med_pre = statistics.median(call_s), statistics.median(prefill_s)
   step_s = max(med - med_pre, 0.0) / (N - 1) if N > 1 else None
   peak, peak_source = peak_gbs(jax.devices()[0].device_kind, args.peak_gbs)
+  cache = jax.eval_shape(lambda: gen.prefill(params, prompts, valid))[0]
+  kv_dtype = str(jax.tree.leaves(cache.k)[0].dtype)  # what the sampler's cache holds
   roof = decode_roofline(flop_params(rcfg), jnp.dtype(rcfg.param_dtype).itemsize,
                          rcfg.num_layers, rcfg.num_kv_heads, rcfg.head_dim,
-                         jnp.dtype(rcfg.dtype).itemsize, rows, Lp, N,
+                         jnp.dtype(kv_dtype).itemsize, rows, Lp, N,
                          None if peak is None else peak * mesh.size)
   rt = roof["roofline_tokens_per_s"]
   report = {
       "rows": rows, "prompts": P, "group_size": G, "prompt_len": Lp, "new_tokens": N,
       "param_dtype": rcfg.param_dtype, "dtype": rcfg.dtype, "rollout_dtype": r.dtype,
+      "kv_cache_dtype": kv_dtype, "rollout_kv_cache_dtype": r.get("kv_cache_dtype", "auto"),
+      "fused_sampling": resolve_fused_sampling(None),
+      "kv_bytes_per_position_row": rcfg.num_layers * 2 * rcfg.num_kv_heads * rcfg.head_dim
+      * jnp.dtype(kv_dtype).itemsize,
       "sampling": dict(zip(("temperature", "top_k", "top_p"), sampling)),
       "init_s": round(init_s, 2), "first_call_s": first_s and round(first_s, 3),
       "call_s": [round(x, 5) for x in call_s], "prefill_s": [round(x, 5) for x in prefill_s],
@@ -602,6 +615,9 @@ def parse_args(argv=None):
                   help="time the recipe's sampler too (default: on with --quick)")
   ap.add_argument("--rollout-calls", type=int, default=None,
                   help="timed sampler calls (default 3; --quick 2)")
+  ap.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                  help="the sampler's KV cache dtype (default: the recipe's "
+                       "rollout.kv_cache_dtype)")
   ap.add_argument("--rollout-warmup", type=int, default=1,
                   help="untimed sampler calls first (>= 1: the first compiles)")
   ap.add_argument("--peak-gbs", type=float, default=None,

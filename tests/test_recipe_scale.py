@@ -117,7 +117,10 @@ def test_quick_run_json(flag):
     assert (ro["param_dtype"], ro["dtype"]) == ("float32", "bfloat16")
     assert roof["weights_bytes"] == 4 * rs.flop_params(rs.ModelConfig(**{
         **rs.ARCHITECTURES["qwen2.5-0.5b"], "num_layers": 2, "vocab_size": 4096}))
+    # The KV cache at its own dtype (rollout.kv_cache_dtype "auto": the bf16 compute on CPU):
     # 2 layers x 2 x 2 kv heads x 64 x 2 bytes x 4 rows x (32 + 8 / 2)
+    assert ro["kv_cache_dtype"] == "bfloat16" and ro["fused_sampling"] is False
+    assert ro["kv_bytes_per_position_row"] == 2 * 2 * 2 * 64 * 2
     assert roof["kv_bytes_mean"] == 2 * 2 * 2 * 64 * 2 * 4 * 36
     assert roof["roofline_tokens_per_s"] is None and ro["fraction_of_roofline"] is None
     assert ro["hf"] is None and "--hf" in ro["hf_reason"]
