@@ -210,3 +210,40 @@ def test_qwen3_30b_a3b_preset_counts():
   expert = 3 * 128 * 2048 * 768
   active = total - 48 * expert + 48 * expert * 8 // 128
   assert active == 3_353_032_704
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_routing_replay(scan):
+  """Replaying the model's own routing changes nothing (mismatch 0); replaying other experts
+  changes the output, counts exactly the tokens whose expert set differs, and the router still
+  gets a gradient."""
+  cfg = tiny(scan_layers=scan, num_experts_per_tok=2)
+  graphdef, params = init_model(cfg, 7)
+  tokens = jnp.arange(20).reshape(2, 10) * 3 % cfg.vocab_size
+  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  valid = jnp.arange(10)[None, :] < jnp.array([[10], [6]])
+
+  def forward(params, routing=None):
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, pos, valid, routing=routing)
+    (stats,) = moe.pop_router_stats(model)
+    return hidden, stats
+
+  hidden, own = jax.jit(forward)(params)
+  assert own.experts.shape == (cfg.num_layers, 2, 10, 2)
+  again, stats = jax.jit(forward)(params, own.experts)
+  np.testing.assert_allclose(again, hidden, atol=1e-6)
+  assert float(moe.routing_mismatch(stats)[0]) == 0.0
+
+  # Other experts for every valid token of layer 0's first row: 10 of the 32 valid
+  # token-layers differ (the order within a token's k does not count).
+  other = own.experts.at[0, 0].set((own.experts[0, 0] + 1) % cfg.num_experts)
+  swapped = own.experts.at[1].set(own.experts[1][..., ::-1])
+  replayed, stats = jax.jit(forward)(params, other.at[1].set(swapped[1]))
+  overall, per_layer = moe.routing_mismatch(stats)
+  np.testing.assert_allclose(per_layer, [10 / 16, 0.0])
+  assert float(overall) == pytest.approx(10 / 32)
+  assert float(jnp.abs(replayed - hidden).max()) > 1e-4
+
+  grad = jax.grad(lambda p: jnp.sum(forward(p, other)[0] ** 2))(params)
+  assert float(jnp.abs(grad["router"][...]).max()) > 0

@@ -34,7 +34,10 @@ class RouterStats(NamedTuple):
   counts: jax.Array  # [E] float32: top-k assignments per expert
   probs: jax.Array  # [E] float32: router probabilities summed per expert
   tokens: jax.Array  # [] float32: valid tokens routed
-  experts: jax.Array  # [B, T, k] int32: each token's selected experts, most probable first
+  experts: jax.Array  # [B, T, k] int32: each token's own top-k experts, most probable first
+  # Valid tokens whose own top-k (as a set) differs from the replayed experts (0 without
+  # replay): `routing_mismatch`.
+  mismatched: jax.Array | float = 0.0
 
 
 def resolve_dispatch(choice: str, backend: str | None = None) -> str:
@@ -99,17 +102,30 @@ def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
   return probs, weights, experts
 
 
-def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None
-            ) -> tuple[jax.Array, RouterStats]:
+def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None,
+            replay: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
   """The experts' MLP of a layer's normed input x [B, T, D] with the layer's weights `p`
   (`router` [D, E], `we_gate`/`we_up` [E, D, F], `we_down` [E, F, D]); `valid` [B, T] (None: all)
-  marks the tokens counted in the statistics. Returns ([B, T, D] in x's dtype, RouterStats)."""
+  marks the tokens counted in the statistics. `replay` [B, T, k] (routing replay): each token
+  goes to these experts instead of its own top-k, weighted by this router's probabilities of
+  them (renormalised as `norm_topk_prob` says), so the router still gets its gradient. Returns
+  ([B, T, D] in x's dtype, RouterStats)."""
   bsz, t, d = x.shape
   e, k = cfg.num_experts, cfg.num_experts_per_tok
   impl = resolve_dispatch(cfg.moe_dispatch)
   xf = x.reshape(-1, d)
   n = xf.shape[0]
-  probs, weights, experts = route(xf, p["router"], k, cfg.norm_topk_prob)
+  probs, weights, own = route(xf, p["router"], k, cfg.norm_topk_prob)
+  experts = own
+  w = jnp.ones((n,), jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
+  mismatched = jnp.zeros((), jnp.float32)
+  if replay is not None:
+    experts = replay.reshape(n, k).astype(own.dtype)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if cfg.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)
+    mismatched = jnp.sum(differs * w)
   flat = experts.reshape(-1)  # [N k]: assignment a is token a // k's choice a % k
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
@@ -120,10 +136,9 @@ def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None
   back = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
   y = ys[back].reshape(n, k, d)
   out = jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1)
-  w = jnp.ones((n,), jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
   counts = jnp.zeros((e,), jnp.float32).at[flat].add(jnp.repeat(w, k))
   stats = RouterStats(counts, jnp.sum(probs * w[:, None], axis=0), jnp.sum(w),
-                      experts.reshape(bsz, t, k).astype(jnp.int32))
+                      own.reshape(bsz, t, k).astype(jnp.int32), mismatched)
   return out.reshape(bsz, t, d).astype(x.dtype), stats
 
 
@@ -136,6 +151,13 @@ def aux_loss(stats: RouterStats, num_experts: int) -> jax.Array:
   f = jnp.sum(stats.counts.reshape(-1, num_experts), axis=0) / tokens
   prob = jnp.sum(stats.probs.reshape(-1, num_experts), axis=0) / tokens
   return num_experts * jnp.sum(f * prob)
+
+
+def routing_mismatch(stats: RouterStats) -> tuple[jax.Array, jax.Array]:
+  """(overall, per layer [L]) fraction of valid tokens whose own top-k experts differ from the
+  replayed ones, of one forward pass's statistics (stacked [L, ...]); 0 without replay."""
+  per_layer = stats.mismatched / jnp.maximum(stats.tokens, 1.0)
+  return jnp.sum(stats.mismatched) / jnp.maximum(jnp.sum(stats.tokens), 1.0), per_layer
 
 
 def pooled_aux_loss(passes: list[RouterStats]) -> jax.Array:

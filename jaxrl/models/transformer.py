@@ -139,6 +139,7 @@ class Transformer(nnx.Module):
       layers: tuple[dict, ...] | None = None,  # `layer_weights()`, prepared by the caller
       lora_dropout_key: jax.Array | None = None,
       attend: Callable | None = None,
+      routing: jax.Array | None = None,  # [L, B, T, k] int: experts to replay (MoE only)
   ) -> tuple[jax.Array, KVCache | None]:
     """Returns final hidden states [B, T, D] (after the final norm) and the updated cache.
 
@@ -147,7 +148,8 @@ class Transformer(nnx.Module):
     (no cache; `grouped_forward` uses it) replaces the causal attention over `tokens`: q
     [B, T, H, Dh] and k, v [B, T, K, Dh] after bias, norm and rotary in, [B, T, H, Dh] out.
     Without a cache the attention is `cfg.attention`'s (`resolve_attention`); with one,
-    always the dense `layers.attention`.
+    always the dense `layers.attention`. `routing` (mixture-of-experts models): every layer's
+    experts per token to use instead of the router's own choice (`moe.moe_mlp`'s replay).
     """
     if cache is not None and attend is not None:
       raise ValueError("attend replaces the attention over the tokens; it takes no cache")
@@ -179,7 +181,8 @@ class Transformer(nnx.Module):
     # Single-token decode reads slots up to its own (the mask's causal bound) and no further.
     filled = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + T, (B,)) \
         if cache is not None and T == 1 else None
-    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid)
+    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid,
+                routing)
 
     # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
     # prefill never take gradients, and their programs stay exactly as they are.
@@ -226,13 +229,14 @@ class Transformer(nnx.Module):
         vs.append(_write(cache.v[i], v, (0, 0, cache_index, 0)))
         return ks[-1], vs[-1]
       lora = {t: (a[i], b[i]) for t, (a, b) in adapters.items()}
+      p_i = layers[i] if run.routing is None else {**layers[i], "replay": run.routing[i]}
       key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
       if policy is None:
-        x, st = _block(run, x, layers[i], kv, lora=lora, key=key)
+        x, st = _block(run, x, p_i, kv, lora=lora, key=key)
       else:
         x, st = jax.checkpoint(
             lambda h, p, lo, kv=kv, key=key: _block(run, h, p, kv, lora=lo, key=key),
-            policy=policy)(x, layers[i], lora)
+            policy=policy)(x, p_i, lora)
       stats.append(st)
     stacked = None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
     return x, tuple(ks), tuple(vs), stacked
@@ -247,6 +251,8 @@ class Transformer(nnx.Module):
     # Scanned: stacked [L, ...] caches in the carry. Each layer writes its new slots before
     # reading its slice, so XLA updates the carried buffer in place instead of copying it.
     stacked = self._layer_params()
+    if run.routing is not None:
+      stacked["replay"] = run.routing  # sliced per layer by the scan, like the weights
     dense = None
     if cache is not None and run.length == 1 and jax.default_backend() == "cpu":
       # Decode is bound by reading the weights. A matmul on a layer's slice of a stacked
@@ -403,6 +409,7 @@ class _Pass(NamedTuple):
   dropout_key: jax.Array | None
   filled: jax.Array | None = None  # [B] int: decode's slots in use (`cache_index + 1`)
   valid: jax.Array | None = None  # [B, T] bool: real tokens (counted in router statistics)
+  routing: jax.Array | None = None  # [L, B, T, k]: experts to replay (`moe.moe_mlp`)
 
 
 def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Array | int
@@ -505,7 +512,7 @@ def _mlp(run: _Pass, h, p, o, dense):
   h = constrain_rows(h + rows(dense(rows(o.reshape(run.rows, run.length, -1)), "wo")))
   m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
   if cfg.num_experts:
-    y, stats = moe_mlp(m, p, cfg, run.valid)
+    y, stats = moe_mlp(m, p, cfg, run.valid, p.get("replay"))
     return constrain_rows(h + rows(y)), stats
   if "w_gate_up" in p:
     gate, up = jnp.split(dense(m, "w_gate_up"), 2, axis=-1)
