@@ -12,6 +12,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from conftest import tiny_model_config
+from jaxrl.kernels import decode_attention as da
 from jaxrl.models import init_model
 from jaxrl.models.model_config import KVCache, resolve_kv_cache_dtype
 from jaxrl.rollout.engine import Engine
@@ -149,3 +150,24 @@ def test_bad_value_is_one_line():
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert lines == [lines[0]] and lines[0].startswith("jaxrl: config.rollout.kv_cache_dtype"), \
       proc.stderr
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_tpu"])
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "bfloat16"])
+def test_decode_attention_upcasts_a_narrow_cache(kv, impl):
+  # Each implementation on a cache stored in `kv` equals the float32 reference on the same
+  # (rounded) values upcast: the narrow cache is read as it is, not re-rounded elsewhere.
+  b, kh, g, d, s = 2, 2, 2, 16, 32
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, kh, g, d), jnp.float32)
+  k_t = jax.random.normal(keys[1], (b, kh, d, s)).astype(kv)
+  v = jax.random.normal(keys[2], (b, kh, s, d)).astype(kv)
+  valid = jnp.ones((b, s), bool)
+  lengths = jnp.array([s, s // 2], jnp.int32)
+  want = da.decode_attention(q, k_t.astype(jnp.float32), v.astype(jnp.float32), valid,
+                             lengths, implementation="reference")
+  got = da.decode_attention(q, k_t, v, valid, lengths, implementation=impl, block_k=16)
+  # bf16 products for a bf16 cache (the query rounded to it); f32 ones for an 8-bit cache.
+  tol = 2e-2 if kv == "bfloat16" else 1e-5
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+  assert got.dtype == jnp.float32
