@@ -58,3 +58,21 @@ def test_moe_run_on_one_device_vs_eight(tmp_path):
           f"{a['phase']} step {a.get('step')} {k}: {v} vs {b[k]}"
       compared += 1
   assert compared > 100
+
+
+@pytest.mark.slow
+def test_tiny_moe_run_learns(tmp_path):
+  """Acceptance: the tiny mixture-of-experts default variant gains at least 0.3 held-out
+  accuracy on CPU (measured +0.525 with seed 0, docs/moe.md), logging the load-balancing loss
+  every RL step."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-m", "jaxrl.train", "--config", "configs/default_moe.py",
+                        f"--config.run_dir={tmp_path / 'run'}"], env=env, cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+  assert out.returncode == 0, out.stdout
+  with open(tmp_path / "run" / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["val/rl_gain"] >= 0.3, summary
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    rl = [r for r in map(json.loads, f) if r["phase"] == "rl" and r["step"] > 0]
+  assert len(rl) == summary["rl/steps"] and all(r["moe/aux_loss"] > 0 for r in rl)
