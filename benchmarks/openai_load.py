@@ -1,8 +1,8 @@
 """Load on the standalone OpenAI-compatible server: N concurrent clients for T seconds.
 
-    python benchmarks/openai_load.py make-model /tmp/tiny-qwen      # a tiny random model
-    python benchmarks/openai_load.py run --hf /tmp/tiny-qwen [--clients 64] [--seconds 60]
-    python benchmarks/openai_load.py run --hf /tmp/tiny-qwen --quick  # 8 clients, 10 s
+    python benchmarks/openai_load.py make-model runs/tiny-qwen      # a tiny random model
+    python benchmarks/openai_load.py run --hf runs/tiny-qwen [--clients 64] [--seconds 60]
+    python benchmarks/openai_load.py run --hf runs/tiny-qwen --quick  # 8 clients, 10 s
     python benchmarks/openai_load.py run --url http://host:port/v1 --model NAME  # any server
 
 `run --hf` starts `python -m jaxrl.serve --openai --hf DIR --port 0` as a child process, waits for

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 
 from ml_collections import ConfigDict
 
+from jaxrl.config.schema import flatten, is_section
 from jaxrl.core.errors import UserError
+from jaxrl.recipes import default as default_config
 
 
 class RecipeError(UserError, ValueError):
@@ -54,9 +56,6 @@ def _check_plain(cfg: Mapping, where: str) -> None:
   """A plain mapping from `get_config()` must hold every key of the schema (a whole config, e.g.
   a saved config.json's); one written from scratch is one error line, not a line per missing
   key."""
-  from jaxrl.config.schema import flatten, is_section
-  from jaxrl.recipes import default as default_config
-
   want = [k for k, v in flatten(default_config.get_config()).items() if not is_section(v)]
   have = flatten(cfg)
   missing = [k for k in want if k not in have]

@@ -25,6 +25,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxrl.data.sources import check_source, source_problems
+
 # name -> environment class (also reachable as `TASKS[name].env`).
 ENVIRONMENTS: dict[str, type] = {}
 
@@ -66,8 +68,6 @@ def register(name: str, *, source: Callable[[Any], Any] | None = None,
   if not isinstance(name, str) or not name or "+" in name:
     raise ValueError(f"a task name is a non-empty string without '+', got {name!r}")
   if isinstance(source, type):  # a class: its methods can be checked now, the rest when built
-    from jaxrl.data.sources import source_problems
-
     missing = source_problems(source, methods_only=True)
     if missing:
       raise ValueError(f"task {name!r}: source {source.__name__} has no {', '.join(missing)} "
@@ -149,8 +149,6 @@ def make_source(name: str, cfg: Any):
   """The rows of task `name` for run config `cfg` (its registered `source`), checked against
   `jaxrl.data.sources.TaskSource` (`TaskSourceError` names what it lacks)."""
   _resolved(name)
-  from jaxrl.data.sources import check_source
-
   reg = TASKS.get(name)
   if reg is None or reg.source is None:
     raise KeyError(f"unknown task {name!r}; registered: {list(task_names())}")

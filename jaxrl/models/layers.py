@@ -309,3 +309,53 @@ def streamed_matmul(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
 
   y = jnp.zeros((*x.shape[:-1], dout), jnp.result_type(x, w))
   return jax.lax.fori_loop(0, n, chunk, y)
+
+
+def attention_mask(valid: jax.Array, cache, cache_index: jax.Array | int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """(key_valid [B, S], mask [B, 1, 1, T, S]) of tokens `valid` [B, T] written from slot
+  `cache_index` of `cache` (no cache: S = T, the tokens alone). A token attends to the valid
+  slots up to its own."""
+  T = valid.shape[1]
+  if cache is None:
+    key_valid = valid  # [B, S=T]
+    q_slot = jnp.arange(T)
+    S = T
+  else:
+    key_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache_index))
+    q_slot = cache_index + jnp.arange(T)
+    S = cache.valid.shape[1]
+  causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
+  mask = causal[None, None, None] & key_valid[:, None, None, None, :]  # [B, 1, 1, T, S]
+  return key_valid, mask
+
+
+def write_cache(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:
+  """`buf` with `new` (cast to buf's dtype) written at offsets `at`. Into an 8-bit float cache
+  (`ModelConfig.kv_cache_dtype`) values are clipped to its finite range first: float8_e4m3fn has
+  no infinity, and an out-of-range cast would store NaN."""
+  if jnp.issubdtype(buf.dtype, jnp.floating) and jnp.dtype(buf.dtype).itemsize == 1:
+    top = float(jnp.finfo(buf.dtype).max)
+    new = jnp.clip(new, -top, top)
+  return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), at)
+
+
+def project_qkv(run, h, p, dense):
+  """A layer's queries [B, T, H, Dh] and keys and values [B, T, K, Dh] of the residual stream
+  `h`: projected, biased, normed and rotated as the config says."""
+  cfg = run.cfg
+  heads = lambda x: x.reshape(run.rows, run.length, -1, cfg.head_dim)
+  a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+  if "wqkv" in p:
+    qkv = heads(dense(a, "wqkv"))
+    q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
+  else:
+    q, k, v = (heads(dense(a, n)) for n in ("wq", "wk", "wv"))
+  if cfg.qkv_bias:
+    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+  q = apply_rope(q, run.cos, run.sin)
+  k = apply_rope(k, run.cos, run.sin)
+  return q, k, v

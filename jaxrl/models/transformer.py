@@ -30,14 +30,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.kernels.decode_attention import decode_attention as decode_kernel
-from jaxrl.models.layers import (KERNEL_OF, apply_rope, attention, config_inv_freq,
+from jaxrl.models.layers import (KERNEL_OF, attention, attention_mask, config_inv_freq,
                                  decode_attention, embed_lookup, kernel_attend, lora_dense,
-                                 lora_dims, matmul_rows, rms_norm, rope_tables, stacked_lora,
-                                 streamed_matmul)
+                                 lora_dims, matmul_rows, project_qkv, rms_norm, rope_tables,
+                                 stacked_lora, streamed_matmul, write_cache)
 from jaxrl.models.logprobs import continuation_positions, left_positions
-from jaxrl.models.moe import expert_shapes, moe_mlp
 from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
                                        resolve_attention, resolve_decode_attention)
+from jaxrl.models.moe import expert_shapes, moe_mlp
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 
@@ -162,7 +162,7 @@ class Transformer(nnx.Module):
       # Under a training mesh the cache is split like the rows that fill it (a no-op otherwise;
       # the samplers pin theirs for their own mesh).
       cache = constrain_kv_cache(cache)
-    key_valid, mask = _attention_mask(valid, cache, cache_index)
+    key_valid, mask = attention_mask(valid, cache, cache_index)
     # One cos/sin table for q and k of every layer, computed once: behind the barrier XLA keeps
     # it as a buffer instead of recomputing both per element inside every fusion that reads it
     # (the rotary backward's fusions re-evaluated them for each head; issue 22's train step).
@@ -225,8 +225,8 @@ class Transformer(nnx.Module):
       def kv(k, v, i=i):
         if cache is None:
           return k, v
-        ks.append(_write(cache.k[i], k, (0, 0, 0, cache_index)))
-        vs.append(_write(cache.v[i], v, (0, 0, cache_index, 0)))
+        ks.append(write_cache(cache.k[i], k, (0, 0, 0, cache_index)))
+        vs.append(write_cache(cache.v[i], v, (0, 0, cache_index, 0)))
         return ks[-1], vs[-1]
       lora = {t: (a[i], b[i]) for t, (a, b) in adapters.items()}
       p_i = layers[i] if run.routing is None else {**layers[i], "replay": run.routing[i]}
@@ -276,8 +276,8 @@ class Transformer(nnx.Module):
       def kv(k, v):
         if k_cache is None:
           return k, v
-        out["k"] = _write(k_cache, k[None], (i, 0, 0, 0, cache_index))
-        out["v"] = _write(v_cache, v[None], (i, 0, 0, cache_index, 0))
+        out["k"] = write_cache(k_cache, k[None], (i, 0, 0, 0, cache_index))
+        out["v"] = write_cache(v_cache, v[None], (i, 0, 0, cache_index, 0))
         return (jax.lax.dynamic_index_in_dim(out["k"], i, keepdims=False),
                 jax.lax.dynamic_index_in_dim(out["v"], i, keepdims=False))
 
@@ -412,35 +412,6 @@ class _Pass(NamedTuple):
   routing: jax.Array | None = None  # [L, B, T, k]: experts to replay (`moe.moe_mlp`)
 
 
-def _attention_mask(valid: jax.Array, cache: KVCache | None, cache_index: jax.Array | int
-                    ) -> tuple[jax.Array, jax.Array]:
-  """(key_valid [B, S], mask [B, 1, 1, T, S]) of tokens `valid` [B, T] written from slot
-  `cache_index` of `cache` (no cache: S = T, the tokens alone). A token attends to the valid
-  slots up to its own."""
-  T = valid.shape[1]
-  if cache is None:
-    key_valid = valid  # [B, S=T]
-    q_slot = jnp.arange(T)
-    S = T
-  else:
-    key_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache_index))
-    q_slot = cache_index + jnp.arange(T)
-    S = cache.valid.shape[1]
-  causal = jnp.arange(S)[None, :] <= q_slot[:, None]  # [T, S]
-  mask = causal[None, None, None] & key_valid[:, None, None, None, :]  # [B, 1, 1, T, S]
-  return key_valid, mask
-
-
-def _write(buf: jax.Array, new: jax.Array, at: tuple) -> jax.Array:
-  """`buf` with `new` (cast to buf's dtype) written at offsets `at`. Into an 8-bit float cache
-  (`ModelConfig.kv_cache_dtype`) values are clipped to its finite range first: float8_e4m3fn has
-  no infinity, and an out-of-range cast would store NaN."""
-  if jnp.issubdtype(buf.dtype, jnp.floating) and jnp.dtype(buf.dtype).itemsize == 1:
-    top = float(jnp.finfo(buf.dtype).max)
-    new = jnp.clip(new, -top, top)
-  return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), at)
-
-
 def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
   """One decoder layer: (hidden, router statistics or None for a dense MLP). `kv(k, v)` stores
   the new keys/values and returns all of them; `dense(x, name)` multiplies by weight `name`
@@ -453,33 +424,12 @@ def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
   # `constrain_rows`): the residual stream with d_model whole, intermediates row-split with
   # their other dims left to XLA.
   h = constrain_rows(h)
-  q, k, v = _qkv(run, h, p, dense)
+  q, k, v = project_qkv(run, h, p, dense)
   if run.attend is not None:
     o = run.attend(q, k, v)
   else:
     o = _cache_attention(run, q, k, v, kv)
   return _mlp(run, h, p, o, dense)
-
-
-def _qkv(run: _Pass, h, p, dense):
-  """A layer's queries [B, T, H, Dh] and keys and values [B, T, K, Dh] of the residual stream
-  `h`: projected, biased, normed and rotated as the config says."""
-  cfg = run.cfg
-  heads = lambda x: x.reshape(run.rows, run.length, -1, cfg.head_dim)
-  a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-  if "wqkv" in p:
-    qkv = heads(dense(a, "wqkv"))
-    q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
-  else:
-    q, k, v = (heads(dense(a, n)) for n in ("wq", "wk", "wv"))
-  if cfg.qkv_bias:
-    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-  if cfg.qk_norm:
-    q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-  q = apply_rope(q, run.cos, run.sin)
-  k = apply_rope(k, run.cos, run.sin)
-  return q, k, v
 
 
 def _cache_attention(run: _Pass, q, k, v, kv):

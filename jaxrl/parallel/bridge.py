@@ -197,9 +197,11 @@ class VersionServer:
           return
         conn.sendall(b"V" + len(data).to_bytes(8, "little"))
         conn.sendall(data)
-      self.served += 1
+      with self._cond:  # one connection thread per client: count under the lock
+        self.served += 1
     except (OSError, ValueError) as e:  # the client went away or sent garbage: its loss only
-      self.failed.append(f"{type(e).__name__}: {e}"[:200])
+      with self._cond:
+        self.failed.append(f"{type(e).__name__}: {e}"[:200])
 
 
 def _read_line(conn: socket.socket, limit: int = 64) -> str:
