@@ -23,7 +23,6 @@ import os
 import sys
 
 _ORBAX = os.sep + "orbax" + os.sep
-_installed = False
 
 
 def debug() -> bool:
@@ -55,21 +54,30 @@ class _OrbaxErrors(logging.Filter):
 
 
 def install() -> None:
-  """Installs the filters once per process (nothing with `JAXRL_DEBUG`)."""
-  global _installed
-  if _installed or debug():
+  """Installs the filters (nothing with `JAXRL_DEBUG`). Each hook is wrapped at most once: a
+  hook that is already jaxrl's stays; one that something else has put back since (a test
+  harness restoring its own) is wrapped again."""
+  if debug():
     return
-  _installed = True
-  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+  if not getattr(sys.excepthook, "_jaxrl_quiet", False):
+    excepthook = sys.excepthook
 
-  def quiet_excepthook(exc_type, exc, tb):
-    if not closed_loop_callback(exc_type, exc, tb):
-      excepthook(exc_type, exc, tb)
+    def quiet_excepthook(exc_type, exc, tb):
+      if not closed_loop_callback(exc_type, exc, tb):
+        excepthook(exc_type, exc, tb)
 
-  def quiet_unraisablehook(unraisable):
-    if not (from_orbax(unraisable.object) or closed_loop_callback(
-        unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)):
-      unraisablehook(unraisable)
+    quiet_excepthook._jaxrl_quiet = True
+    sys.excepthook = quiet_excepthook
+  if not getattr(sys.unraisablehook, "_jaxrl_quiet", False):
+    unraisablehook = sys.unraisablehook
 
-  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
-  logging.getLogger("absl").addFilter(_OrbaxErrors())  # Orbax logs through absl's logger
+    def quiet_unraisablehook(unraisable):
+      if not (from_orbax(unraisable.object) or closed_loop_callback(
+          unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)):
+        unraisablehook(unraisable)
+
+    quiet_unraisablehook._jaxrl_quiet = True
+    sys.unraisablehook = quiet_unraisablehook
+  absl = logging.getLogger("absl")  # Orbax logs through absl's logger
+  if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
+    absl.addFilter(_OrbaxErrors())

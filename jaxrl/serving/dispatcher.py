@@ -143,6 +143,7 @@ class Dispatcher:
         job.future.set_exception(error)
 
   def _run(self, jobs: list[Job]) -> None:
+    self.batches += 1
     version, params = self.params_source()
     ids = [next(self._ids) % (2**31 - 1) for _ in jobs]
 
@@ -152,6 +153,7 @@ class Dispatcher:
       done = Completion(tokens, [float(x) for x in out.logprobs[0, :n]],
                         [int(v) for v in out.versions[0, :n]],
                         bool(n and tokens[-1] in self.engine.eos_ids))
+      self.rows += 1  # counted before the client can see its reply
       if not jobs[p].future.done():
         jobs[p].future.set_result(done)
 
@@ -160,5 +162,3 @@ class Dispatcher:
                     top_k=np.array([j.top_k for j in jobs], np.int32),
                     top_p=np.array([j.top_p for j in jobs], np.float32),
                     version=version, on_finish=on_finish, params_source=self.params_source)
-    self.batches += 1
-    self.rows += len(jobs)
