@@ -326,8 +326,13 @@ class Checkpointer:
     return int(step), out.host
 
   def close(self) -> None:
-    """Waits for pending saves, then releases Orbax's threads."""
-    self._mngr.close()
+    """Waits for pending saves, then releases Orbax's threads. A pending save that failed (a
+    full disk found by another write first, e.g. metrics.jsonl's) raises `CheckpointError`, one
+    line like `wait`'s, not Orbax's own error."""
+    try:
+      self._mngr.close()
+    except Exception as e:  # noqa: BLE001  (Orbax wraps the writer's error)
+      raise self._save_failed(e) from e
 
 
 def restore_cause(e: BaseException) -> str:
