@@ -115,7 +115,7 @@ def test_machine_path_pattern():
   assert MACHINE_PATH.search(f"default {sep}home{sep}me{sep}trl-venv/bin/python")
   assert MACHINE_PATH.search(f"{sep}srv{sep}x{sep}.venv/bin/python")
   assert not MACHINE_PATH.search("~/trl-venv/bin/python and runs/tmp/x and .venv/bin/activate")
-  assert not MACHINE_PATH.search("https://example.com/home/x and $HOME/work/x")
+  assert not MACHINE_PATH.search(f"https://example.com{sep}home{sep}x and $HOME{sep}work{sep}x")
 
 
 def test_no_absolute_machine_paths():

@@ -109,15 +109,6 @@ def _debug_requested(overrides: list[str], cfg: ConfigDict | None = None) -> boo
   return cfg is not None and cfg.get("debug") is True
 
 
-def _os_error_text(e: OSError) -> str:
-  """"<path>: <reason>" (and the second path of a rename); the bare message when there is none
-  (e.g. a FileNotFoundError raised with a sentence)."""
-  if e.strerror and e.filename is not None:
-    paths = os.fspath(e.filename) + (f" -> {os.fspath(e.filename2)}" if e.filename2 else "")
-    return f"{paths}: {e.strerror}"
-  return str(e) or type(e).__name__
-
-
 def user_message(e: BaseException) -> str | None:
   """The `jaxrl: ...` text for an error the user can fix; None for anything else (a bug)."""
   if isinstance(e, (config_lib.ConfigError, UserError, ModuleNotFoundError)):
@@ -132,7 +123,7 @@ def user_message(e: BaseException) -> str | None:
   if isinstance(e, WorkerFailed) and isinstance(e.__cause__, UserError):
     return user_message(e.__cause__)
   if isinstance(e, _USER_OS_ERRORS) or (isinstance(e, OSError) and e.errno in _USER_ERRNOS):
-    return f"jaxrl: {_os_error_text(e)}"
+    return f"jaxrl: {common.os_error_text(e)}"
   if isinstance(e, MemoryError):
     return ("jaxrl: out of host memory; a smaller rollout.num_prompts, rollout.group_size, "
             "rollout.max_new_tokens or val.batch_size needs less (--config.debug=true shows "
@@ -333,7 +324,7 @@ def main(argv: list[str]) -> None:
   try:
     compile_cache.enable(cfg.compile_cache)  # before the first compilation
   except OSError as e:  # an explicit directory that could not be created
-    sys.exit(f"jaxrl: config.compile_cache: {_os_error_text(e)}")
+    sys.exit(f"jaxrl: config.compile_cache: {common.os_error_text(e)}")
   run_dir = cfg.run_dir or config_lib.default_run_dir(cfg.name, time.strftime("%Y%m%d-%H%M%S"))
   # SIGTERM (preemption) and SIGINT (Ctrl-C): checkpoint after the current step, exit 0.
   stop = Stop()
