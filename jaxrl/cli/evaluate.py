@@ -54,7 +54,7 @@ def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
   from jaxrl.recipes import default as default_config
   from jaxrl.envs import registry
 
-  if args.config or args.hf:
+  if args.config or args.hf or args.endpoint:
     base = config_lib.load_recipe(args.config or DEFAULT_CONFIG)
   if args.run:
     path = os.path.join(args.run, "config.json")
@@ -68,7 +68,9 @@ def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
     cfg = ConfigDict(config_lib.merge_saved(default_config.get_config().to_dict(), saved))
   else:
     cfg = base
-    cfg.model.hf_path = args.hf
+    # Through an endpoint no model is read here: the recipe gives the task, its evaluation
+    # settings and how prompts are rendered (`tokenizer.chat_template`, `tokenizer.system_prompt`).
+    cfg.model.hf_path = args.hf or ""
   problems: list[str] = []
   cfg = config_lib.parse_overrides(cfg, overrides, problems)
   if problems:
@@ -172,9 +174,42 @@ def table(summary: dict, k: int) -> str:
   return "\n".join(lines)
 
 
+def evaluate_endpoint(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
+  """`evaluate` through an OpenAI-compatible endpoint (`jaxrl.serving.endpoint_eval`)."""
+  from jaxrl.run.inputs import task_source
+  from jaxrl.serving import endpoint_eval
+
+  if args.concurrency < 1:
+    raise UserError(f"--concurrency={args.concurrency} must be >= 1")
+  if not args.timeout > 0:
+    raise UserError(f"--timeout={args.timeout:g} must be > 0")
+  endpoint = endpoint_eval.Endpoint(args.endpoint, args.model, api_key=args.api_key,
+                                    timeout_s=args.timeout)
+  cfg = build_config(args, overrides)
+  config_lib.validate(cfg, 1)
+  try:
+    tasks = task_source(cfg).split(args.split)
+  except KeyError as e:
+    raise UserError(f"no split {args.split!r}: {e.args[0]}") from None
+  if not tasks:
+    raise UserError(f"split {args.split!r} of task {cfg.task.name!r} is empty")
+  model = endpoint.probe()
+  out = args.out or f"eval-endpoint-{cfg.task.name}-{args.split}.json"
+  t0 = time.perf_counter()
+  metrics, rows = endpoint_eval.evaluate(endpoint, cfg, tasks, concurrency=args.concurrency)
+  k = cfg.val.samples_per_prompt
+  return {"run": None, "step": None, "hf": None, "endpoint": endpoint.url, "model": model,
+          "task": cfg.task.name, "split": args.split, "samples": k,
+          "temperature": cfg.val.temperature, "batch_size": cfg.val.batch_size,
+          **summarize(metrics, k, tasks), "time_s": time.perf_counter() - t0,
+          "metrics": metrics, "rows": rows}, out
+
+
 def evaluate(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
   """Runs the evaluation `args` describe; returns the JSON to write and the file to write it
   to."""
+  if args.endpoint:
+    return evaluate_endpoint(args, overrides)
   cfg = build_config(args, overrides)
   directory, step = _checkpoint_step(args.run, args.step) if args.run else (None, None)
   out = args.out or os.path.join(args.run or ".", f"eval-{step if args.run else 'hf'}-"
@@ -202,7 +237,8 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]
   metrics = Evaluator(parts, asynchronous=False).evaluate(params, args.split)
   k = cfg.val.samples_per_prompt
   return {"run": os.path.abspath(args.run) if args.run else None, "step": step,
-          "hf": os.path.abspath(args.hf) if args.hf else None, "task": cfg.task.name,
+          "hf": os.path.abspath(args.hf) if args.hf else None, "endpoint": None, "model": None,
+          "task": cfg.task.name,
           "split": args.split, "samples": k, "temperature": cfg.val.temperature,
           "batch_size": cfg.val.batch_size, **summarize(metrics, k, tasks),
           "time_s": time.perf_counter() - t0, "metrics": metrics}, out
@@ -223,6 +259,16 @@ def parser() -> argparse.ArgumentParser:
   src.add_argument("--run", help="run directory (holds config.json and checkpoints/)")
   src.add_argument("--hf", help="Hugging Face model directory (config.json, *.safetensors, "
                    "tokenizer files)")
+  src.add_argument("--endpoint", help="an OpenAI-compatible API's base URL, e.g. "
+                   "http://127.0.0.1:8000/v1 (python -m jaxrl.serve --openai, vLLM, ...)")
+  p.add_argument("--model", default=None, help="with --endpoint: the model to ask for "
+                 "(default: the first the endpoint lists)")
+  p.add_argument("--concurrency", type=int, default=16, help="with --endpoint: requests in "
+                 "flight at once (agent tasks: episodes; default 16)")
+  p.add_argument("--timeout", type=float, default=300.0, help="with --endpoint: seconds a "
+                 "request may take (default 300)")
+  p.add_argument("--api_key", default=os.environ.get("OPENAI_API_KEY", "none"),
+                 help="with --endpoint: the API key (default: $OPENAI_API_KEY, else 'none')")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   p.add_argument("--config", default=None, help="recipe file: the base config with --hf "
                  "(default jaxrl/recipes/default.py); with --run only its task registrations")
@@ -242,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
   argv = common.deprecated_flag(argv, "--batch-size", "--batch_size")
   overrides = [a for a in argv if a.startswith("--config.")]
   args = parser().parse_args([a for a in argv if not a.startswith("--config.")])
-  if args.step is not None and args.hf:
+  if args.step is not None and not args.run:
     parser().error("--step needs --run")
+  if not args.endpoint and (args.model is not None or args.concurrency != 16
+                            or args.timeout != 300.0):
+    parser().error("--model, --concurrency and --timeout need --endpoint")
   debug = common.debug_requested(args.debug, overrides)
   try:
     result, out = evaluate(args, overrides)
@@ -253,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(message, file=sys.stderr)
     return 1
-  where = f"step {result['step']} of {args.run}" if args.run else args.hf
+  where = (f"step {result['step']} of {args.run}" if args.run else args.hf if args.hf
+           else f"{result['model']!r} at {result['endpoint']}")
   print(f"jaxrl.evaluate: {where} | task {result['task']} | split {result['split']} | "
         f"{result['samples']} sample(s) per prompt at temperature {result['temperature']:g}")
   print(table(result, result["samples"]))
