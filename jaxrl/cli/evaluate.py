@@ -3,6 +3,7 @@
     python -m jaxrl.evaluate --run RUN_DIR [--step N] [--task NAME] [--split val] \\
         [--samples K] [--temperature T] [--batch_size B] [--out FILE] [--config.key=value ...]
     python -m jaxrl.evaluate --hf MODEL_DIR --task math --config.task.path=data.jsonl ...
+    python -m jaxrl.evaluate --endpoint http://HOST:PORT/v1 [--model NAME] [--concurrency 16] ...
 
 It is the run's own validation pass (`jaxrl.run.validation.Evaluator.evaluate`, on parts built by
 `jaxrl.run.parts.build_parts`), so `--run` on the checkpoint of step s with the run's own settings
@@ -14,10 +15,18 @@ overrides, then the flags: `--task` (`task.name`), `--samples` (`val.samples_per
 `--temperature` (`val.temperature`), `--batch_size` (`val.batch_size`; `--batch-size` is a
 deprecated spelling).
 
+`--endpoint` evaluates whatever an OpenAI-compatible server serves (`python -m jaxrl.serve
+--openai`, vLLM, ...) with the same pass, its sampler replaced by requests made with the `openai`
+client (`jaxrl.serving.endpoint_eval`; the `serve` extra): the config is that of `--hf` without
+a model, and the JSON also holds one record per row (`rows`). The endpoint is asked for its
+models before anything else: an unreachable one, or one without `--model`, is one line naming
+its URL, and nothing is written.
+
 Prints accuracy, pass@k and mean completion length, overall and per task, as a table, and writes
 them as JSON to `--out` (default `<run_dir>/eval-<step>-<task>-<split>.json`, or
-`./eval-hf-<task>-<split>.json` with `--hf`). Params come from the checkpoint's policy alone (no
-optimizer state or ring is read). One process only.
+`./eval-hf-<task>-<split>.json` with `--hf`, `./eval-endpoint-<task>-<split>.json` with
+`--endpoint`). Params come from the checkpoint's policy alone (no optimizer state or ring is
+read). One process only.
 
 Errors a user can fix (no run directory or checkpoint, a missing step, an unknown task or split,
 a bad config key) end as one line `jaxrl: ...` with exit status 1; `--debug`,
