@@ -36,9 +36,7 @@ def test_config_rejects_an_agent_that_does_not_import():
 
 
 @pytest.mark.parametrize("over,key", [
-    (dict(task__name="agent:test_agent_run:answer+add"), "config.task.name"),
-    (dict(rollout__engine="continuous", rollout__partial_rollouts=True),
-     "config.rollout.partial_rollouts")])
+    (dict(task__name="agent:test_agent_run:answer+add"), "config.task.name")])
 def test_config_rejects_what_agent_tasks_do_not_do(over, key):
   cfg = _tiny_cfg(**{"task__name": "agent:test_agent_run:answer", **over})
   with pytest.raises(config_lib.ConfigError) as e:

@@ -416,9 +416,6 @@ def _check_task(good: dict[str, Any], problems: list[str]) -> None:
   if agents and len(names) > 1:
     problems.append(f"{p}task.name: the agent task {agents[0]!r} runs alone (its loop plays "
                     f"every episode of the run); drop the other tasks of {name!r}")
-  if agents and good.get("rollout.partial_rollouts"):
-    problems.append(f"{p}rollout.partial_rollouts: an agent task serves each batch with one "
-                    f"params version; set it to false")
   regs = [registry.TASKS.get(n) for n in names]
   if None in regs:  # names given by the caller (validate's task_names), not registered here
     return

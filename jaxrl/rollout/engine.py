@@ -225,7 +225,9 @@ class Engine:
           temperature=1.0, top_k=0, top_p=1.0, group_size: int = 1, version: int = 0,
           on_finish: Callable[[int, EngineOutput], None] | None = None,
           params_source: Callable[[], tuple[int, object]] | None = None,
-          steps: int | None = None) -> EngineOutput:
+          steps: int | None = None,
+          on_tokens: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+          cancelled: Callable[[int], bool] | None = None) -> EngineOutput:
     """Generates `group_size` samples of each prompt; rows are prompt-major (row = p*G + g),
     as in the static sampler, and `request_ids`, `temperature`, `top_k`, `top_p` are one per
     row (or one for all).
@@ -242,10 +244,16 @@ class Engine:
     see the module docstring), and `params`/`version` are then only the fallback for a source
     that returns None. Without it every token is produced by `params` and stamped `version`.
     `steps` overrides `steps_per_dispatch` for this run (an array argument: no recompile).
+
+    Live rows (a server's streaming and disconnects): after every dispatch, `on_tokens(row,
+    tokens, logprobs, versions)` gets each row that dispatch decoded, with all its tokens so far;
+    a row for which `cancelled(row)` is then true ends there (its slot takes the next row; its
+    output keeps the tokens made so far; `stats["cancel"]` counts them).
     """
     requests = Requests.make(prompts, request_ids, temperature, top_k, top_p, group_size,
                              self.max_prompt_len)
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     return Scheduler(self, requests, key, np.int32(steps or self.steps_per_dispatch),
-                     int(version), params, on_finish, params_source).run()
+                     int(version), params, on_finish, params_source, on_tokens=on_tokens,
+                     cancelled=cancelled).run()

@@ -169,6 +169,10 @@ class Scheduler:
   params: object  # the params of `version`
   on_finish: Callable[[int, EngineOutput], None] | None = None
   params_source: Callable[[], tuple[int, object] | None] | None = None
+  # After each dispatch: `on_tokens(row, tokens, logprobs, versions)` for every row it decoded
+  # (the row's tokens so far), and rows with `cancelled(row)` true end there, freeing their slot.
+  on_tokens: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None
+  cancelled: Callable[[int], bool] | None = None
   # The mesh of `params` (static in every dispatch: it places the KV caches); None off a mesh.
   mesh: object = dataclasses.field(init=False)
   # The decode state and the prefix pool: each dispatch donates them and returns the new ones.
@@ -310,7 +314,15 @@ class Scheduler:
     live = list(self.slot_row)  # the slots that dispatch decoded: none changed since
     for s in live:
       self.slot_count[s] = int(done_count[1, s])
-    ended = [Ended(s, self.slot_row.pop(s), self.slot_count[s]) for s in live if done_count[0, s]]
+    if self.on_tokens is not None:
+      tokens, logprobs, versions = (np.asarray(x) for x in snapshot[1:4])
+      for s in live:
+        n = self.slot_count[s]
+        self.on_tokens(self.slot_row[s], tokens[s, :n], logprobs[s, :n], versions[s, :n])
+    stop = self.cancelled or (lambda row: False)
+    ended = [Ended(s, self.slot_row.pop(s), self.slot_count[s]) for s in live
+             if done_count[0, s] or stop(self.slot_row[s])]
+    self.engine.stats["cancel"] += sum(not done_count[0, e.slot] for e in ended)
     self.free_slots.extend(e.slot for e in ended)
     self.finished += len(ended)
     if ended:

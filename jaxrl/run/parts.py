@@ -71,7 +71,7 @@ class Parts:
     rollouts (the lag pipeline's). `mesh`: the mesh it generates on, default `rollout_mesh`
     (several processes: each process's own devices, `ProcessShare.mesh`)."""
     if is_agent(self.cfg.task.name):  # the agent's episodes, through the run's own server
-      return agent_loop(self, self.cfg.rollout.group_size)
+      return agent_loop(self, self.cfg.rollout.group_size, newest)
     s = build_samplers(self.cfg, self.rollout_graphdef, self.tok, mesh or self.rollout_mesh,
                        newest)
     return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,

@@ -26,7 +26,11 @@ producer, the data plane and the trainer take its rows unchanged:
   returns a non-number or whose first prompt does not fit `max_prompt_len` fails: it is logged
   with its error, gets a NaN reward and no loss mask, as a failed environment row does.
 - Forced lag: `run(params, ..., version)` serves every request of the batch with `params`,
-  stamped `version`, which the producer gives as the batch's version (b - L at lag L).
+  stamped `version`, which the producer gives as the batch's version (b - L at lag L). With
+  `newest` (partial rollouts) the batch's first engine run starts on those params and every
+  later dispatch switches to newer published ones (`samplers.partial_source`): requests in flight
+  are paused, their KV recomputed under the new params, and resumed; each token's version says
+  which params made it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 from jaxrl.data.tokenizer import left_pad
 from jaxrl.envs.agent_task import load_agent  # noqa: F401  (re-exported)
 from jaxrl.envs.base import Task
+from jaxrl.rollout import samplers
 from jaxrl.rollout.multi_turn import Budget, Episodes
 from jaxrl.serving.dispatcher import Completion
 
@@ -99,17 +104,18 @@ class AgentLoop:
   `OpenAIServer` whose params source is `self.served` (see `serving_source`)."""
 
   def __init__(self, fn: Callable, server, tokenizer, budget: Budget, group_size: int, *,
-               max_concurrency: int = 16, timeout_s: float = 60.0):
+               max_concurrency: int = 16, timeout_s: float = 60.0, newest=None):
     self.fn, self.server, self.tok, self.budget, self.G = fn, server, tokenizer, budget, group_size
-    self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
+    self.max_concurrency, self.timeout_s, self.newest = max_concurrency, timeout_s, newest
     self.served: tuple[int, object] | None = None
+    self._partial = None  # the batch's partial-rollout source (with `newest`)
     self.warm = False  # the server's engine has compiled its programs
 
   def serving_source(self) -> tuple[int, object]:
     """The params the server generates with: those of the batch being run."""
     if self.served is None:
       raise RuntimeError("no agent batch is running")
-    return self.served
+    return self.served if self._partial is None else self._partial()
 
   def run(self, params, tasks: Sequence[Task], key, request_base: int, version: int,
           temperature: float, top_k: int = 0, top_p: float = 1.0) -> Episodes:
@@ -119,11 +125,13 @@ class AgentLoop:
       self.server.engine.warmup(params)
       self.warm = True
     self.served = (int(version), params)
+    if self.newest is not None:
+      self._partial = samplers.partial_source(self.newest, int(version), params)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     try:
       outcomes = asyncio.run(self._play(rows, sampling))
     finally:
-      self.served = None
+      self.served = self._partial = None
     return self._episodes(rows, outcomes)
 
   async def _play(self, rows: list[Task], sampling: dict) -> list:
@@ -194,11 +202,11 @@ class AgentLoop:
         fail_reasons=reasons, env_calls=0, env_calls_by_env={})
 
 
-def agent_loop(parts, group_size: int) -> AgentLoop:
+def agent_loop(parts, group_size: int, newest=None) -> AgentLoop:
   """The agent loop of a run whose task is `agent:<module>:<function>`: a started server on
   127.0.0.1 (an ephemeral port) over the run's rollout model, serving the params of the batch
   being run; prompts up to max_prompt_len + max_total_tokens (later turns hold the whole
-  conversation)."""
+  conversation). `newest`: the newest-params source of partial rollouts."""
   from jaxrl.serving.openai import OpenAIServer  # the serve extra
 
   cfg, b = parts.cfg, parts.budget
@@ -212,6 +220,7 @@ def agent_loop(parts, group_size: int) -> AgentLoop:
                         steps_per_dispatch=r.engine_steps, compact=r.engine_compact,
                         params_source=lambda: holder[0].serving_source(), warmup=False).start()
   loop = AgentLoop(fn, server, parts.tok, b, group_size,
-                   max_concurrency=cfg.agent.max_concurrency, timeout_s=cfg.agent.timeout_s)
+                   max_concurrency=cfg.agent.max_concurrency, timeout_s=cfg.agent.timeout_s,
+                   newest=newest)
   holder.append(loop)
   return loop

@@ -4,13 +4,15 @@ Requests (`Job`: one prompt, its sampling settings, a future) wait in a bounded 
 engine thread takes every job waiting (up to `max_batch`), runs them as one `Engine.run` (the
 engine keeps its slots full and refills them as rows end) and resolves each job's future as its
 row finishes (`on_finish`), so a short reply returns before the longest of its batch. Jobs that
-arrive during a run wait for the next one.
+arrive during a run wait for the next one. A streaming job also gets its tokens after every
+decode dispatch (`Job.on_tokens`), and a cancelled job's row ends at the next dispatch, freeing
+its slot for the next row.
 
 Supervision: an exception on the engine thread fails every queued and running job with it, is
 kept in `error`, and makes every later `submit` raise it; nothing waits on a dead thread.
 
-Params come from `params_source() -> (version, params)`, asked before every run and, through
-the engine's partial rollouts, between dispatches: a weight update published mid-run moves the
+Params come from `params_source() -> (version, params)`, asked by the engine at the start of
+every run and, through the engine's partial rollouts, between dispatches: a weight update published mid-run moves the
 rows in flight to the new params, and each token's version says which params produced it.
 """
 
@@ -46,12 +48,22 @@ class Completion:
 
 @dataclasses.dataclass
 class Job:
+  """One request. `on_tokens(tokens, logprobs, versions)`, if set, is called on the engine thread
+  after every dispatch that decoded the row, with all its tokens so far (a streaming reply);
+  `cancel()` ends the row at the next dispatch and frees its slot (a client that went away)."""
+
   prompt: list[int]
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
   future: concurrent.futures.Future = dataclasses.field(
       default_factory=concurrent.futures.Future)
+  on_tokens: Callable[[list[int], list[float], list[int]], None] | None = None
+  cancelled: bool = False
+
+  def cancel(self) -> None:
+    self.cancelled = True
+    self.future.cancel()  # a job not started yet is dropped
 
 
 class Dispatcher:
@@ -144,7 +156,6 @@ class Dispatcher:
 
   def _run(self, jobs: list[Job]) -> None:
     self.batches += 1
-    version, params = self.params_source()
     ids = [next(self._ids) % (2**31 - 1) for _ in jobs]
 
     def on_finish(p: int, out) -> None:
@@ -157,8 +168,29 @@ class Dispatcher:
       if not jobs[p].future.done():
         jobs[p].future.set_result(done)
 
-    self.engine.run(params, [j.prompt for j in jobs], ids, self.key,
+    def on_tokens(row: int, tokens, logprobs, versions) -> None:
+      job = jobs[row]
+      if job.on_tokens is None or job.cancelled:
+        return
+      try:
+        job.on_tokens([int(t) for t in tokens], [float(x) for x in logprobs],
+                      [int(v) for v in versions])
+      except Exception:  # noqa: BLE001  (its client is gone: that row ends, the others go on)
+        job.cancelled = True
+
+    live = any(j.on_tokens is not None for j in jobs)
+    # The engine asks `params_source` itself before its first admission (and between dispatches):
+    # one call per run start, so a per-batch source sees the run's first admission first.
+    self.engine.run(None, [j.prompt for j in jobs], ids, self.key,
                     temperature=np.array([j.temperature for j in jobs], np.float32),
                     top_k=np.array([j.top_k for j in jobs], np.int32),
                     top_p=np.array([j.top_p for j in jobs], np.float32),
-                    version=version, on_finish=on_finish, params_source=self.params_source)
+                    on_finish=on_finish, params_source=self._source,
+                    on_tokens=on_tokens if live else None,
+                    cancelled=lambda row: jobs[row].cancelled)
+
+  def _source(self) -> tuple[int, object]:
+    got = self.params_source()
+    if got is None:
+      raise RuntimeError("the server's params source returned no params")
+    return got

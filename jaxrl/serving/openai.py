@@ -19,9 +19,11 @@ engine runs on the dispatcher's thread, which batches every client's requests (`
 Both are supervised: a dead engine thread turns every request into a 503 naming its error, and
 `start` raises if uvicorn does not come up. Requests beyond `max_queue` waiting get a 429.
 
-Streaming sends the reply as server-sent events, one chunk per generated token, once the reply's
-row has finished in the engine (the engine hands out whole rows). A client that disconnects
-mid-stream only loses its own stream.
+Streaming sends the reply as server-sent events, one chunk per generated token, as the engine
+makes them (after every decode dispatch, `Job.on_tokens`); with tools the text is held back until
+the reply is parsed for tool calls (the token ids still stream). A client that disconnects
+mid-stream only loses its own stream: its row is cancelled and its slot freed at the next
+dispatch.
 
 Episodes (`open_episode`): requests under `/episodes/<id>/v1/...` are also recorded, reply by
 reply, with the exact prompt and completion tokens, log-probs and versions, and sample with the
@@ -283,6 +285,12 @@ class OpenAIServer:
                          param="messages") from None
     self._check_length(prompt, "messages")
     log = self._episode(request, s)
+    if body.get("stream"):
+      jobs, events = self._submit_live([prompt], s)
+      return _LiveSSE(self._chat_stream(jobs, events, s, prompt, tools,
+                                        bool(body.get("logprobs")),
+                                        (body.get("stream_options") or {}).get("include_usage"),
+                                        log), jobs)
     results = await self._generate(prompt, s)
     if log is not None:
       log.turns.append((prompt, results[0][0]))
@@ -295,37 +303,89 @@ class OpenAIServer:
       choices.append({"index": i, "message": message, "finish_reason": reason,
                       "logprobs": R.chat_logprobs(self.tokenizer, c) if body.get("logprobs")
                       else None, **R.exact_fields(prompt, c)})
-    out = R.chat_response(self.model, prompt, choices)
-    if body.get("stream"):
-      return _sse(self._chat_chunks(out, results, bool(body.get("logprobs")),
-                                    (body.get("stream_options") or {}).get("include_usage")))
-    return JSONResponse(out)
+    return JSONResponse(R.chat_response(self.model, prompt, choices))
 
-  def _chat_chunks(self, out: dict, results, logprobs: bool, include_usage: bool):
-    head = {k: out[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk"
-    for ch, (c, text, _) in zip(out["choices"], results):
-      i = ch["index"]
-      yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "finish_reason": None, "logprobs": None}],
-             "prompt_token_ids": out["prompt_token_ids"]}
-      calls = ch["message"].get("tool_calls")
-      pieces = ([ch["message"]["content"] or ""] + [""] * (len(c.tokens) - 1) if calls
-                else R.text_pieces(self.tokenizer, c.tokens, text))
-      lps = ch["logprobs"]["content"] if logprobs else None
-      for k, (t, piece) in enumerate(zip(c.tokens, pieces)):
-        yield {**head, "choices": [{
-            "index": i, "delta": {"content": piece}, "finish_reason": None,
-            "logprobs": {"content": [lps[k]], "refusal": None} if lps else None,
-            "token_ids": [t], "policy_versions": [c.versions[k]]}]}
-      if calls:
-        yield {**head, "choices": [{"index": i, "finish_reason": None, "logprobs": None,
-                                    "delta": {"tool_calls": [{"index": j, **call} for j, call
-                                                             in enumerate(calls)]}}]}
-      yield {**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
-                                  "logprobs": None}]}
+  def _submit_live(self, prompts: list[list[int]], s: dict) -> tuple[list[Job], asyncio.Queue]:
+    """Submits `n` streaming jobs per prompt -> (jobs, events): the engine thread puts
+    `(choice index, (tokens, logprobs, versions))` after every dispatch that decoded the row,
+    and `(choice index, None)` once its job is done."""
+    loop, events, jobs = asyncio.get_running_loop(), asyncio.Queue(), []
+    put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+    try:
+      for prompt in prompts:
+        for _ in range(s["n"]):
+          i = len(jobs)
+          job = Job(prompt, s["temperature"], s["top_p"], s["top_k"],
+                    on_tokens=lambda *row, i=i: put((i, row)))
+          self.dispatcher.submit(job)
+          jobs.append(job)
+          job.future.add_done_callback(lambda _, i=i: put((i, None)))
+    except BaseException:
+      for job in jobs:
+        job.cancel()
+      raise
+    return jobs, events
+
+  async def _follow(self, jobs: list[Job], events: asyncio.Queue, s: dict):
+    """The events of live jobs, as their tokens are made: ("token", choice, token, logprob,
+    version, text piece), ("end", choice, (completion, text, finish_reason), text not yet
+    sent), or one ("error", message) if the engine failed."""
+    texts = [R.LiveText(self.tokenizer, s["max_tokens"], s["stop"]) for _ in jobs]
+    left = len(jobs)
+    while left:
+      i, row = await events.get()
+      if row is not None:
+        tokens, lps, versions = row
+        for k, piece in texts[i].feed(tokens):
+          yield ("token", i, tokens[k], lps[k], versions[k], piece)
+        if texts[i].done:  # max_tokens or a stop string: the row need not go on
+          jobs[i].cancel()
+        continue
+      try:
+        c = jobs[i].future.result()
+      except BaseException as e:  # noqa: BLE001  (told to the client, in the stream)
+        yield ("error", f"the engine failed: {e!r}")
+        return
+      c, text, reason = R.finish(self.tokenizer, c, s["max_tokens"], s["stop"])
+      for k, piece in texts[i].feed(c.tokens):
+        yield ("token", i, c.tokens[k], c.logprobs[k], c.versions[k], piece)
+      left -= 1
+      yield ("end", i, (c, text, reason), texts[i].rest(text))
+
+  async def _chat_stream(self, jobs, events, s: dict, prompt: list[int], tools, logprobs: bool,
+                         include_usage: bool, log: EpisodeLog | None):
+    head = {"id": R.new_id("chatcmpl"), "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": self.model}
+    chunk = lambda i, delta, reason=None, **kw: {**head, "choices": [
+        {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None, **kw}]}
+    for i in range(len(jobs)):
+      yield {**chunk(i, {"role": "assistant", "content": ""}), "prompt_token_ids": prompt}
+    done = 0
+    async for ev in self._follow(jobs, events, s):
+      if ev[0] == "token":
+        _, i, t, lp, v, piece = ev
+        lps = (R.chat_logprobs(self.tokenizer, Completion([t], [lp], [v], False))
+               if logprobs else None)
+        # With tools the text is held back until the reply is parsed for tool calls.
+        yield chunk(i, {"content": "" if tools else piece}, logprobs=lps, token_ids=[t],
+                    policy_versions=[v])
+      elif ev[0] == "end":
+        _, i, (c, text, reason), rest = ev
+        if i == 0 and log is not None:
+          log.turns.append((prompt, c))
+        content, calls = parse_tool_calls(text, self.tool_format) if tools else (text, [])
+        if tools and content or not tools and rest:
+          yield chunk(i, {"content": content if tools else rest})
+        if calls:
+          reason = "tool_calls"
+          yield chunk(i, {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]})
+        yield chunk(i, {}, reason)
+        done += len(c.tokens)
+      else:
+        yield R.error_body(ev[1], type_="server_error")
+        return
     if include_usage:
-      yield {**head, "choices": [], "usage": out["usage"]}
+      yield {**head, "choices": [], "usage": R.usage(len(prompt), done)}
 
   def _completion_prompts(self, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
@@ -353,6 +413,9 @@ class OpenAIServer:
     log = self._episode(request, s)
     if log is not None and len(prompts) != 1:
       raise RequestError("an episode's requests take one prompt", param="prompt")
+    if body.get("stream"):
+      jobs, events = self._submit_live(prompts, s)
+      return _LiveSSE(self._completion_stream(jobs, events, s, prompts, log), jobs)
     per_prompt = await asyncio.gather(*(self._generate(p, s) for p in prompts))
     if log is not None:
       log.turns.append((prompts[0], per_prompt[0][0][0]))
@@ -366,29 +429,51 @@ class OpenAIServer:
     out = {"id": R.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
            "model": self.model, "choices": choices,
            "usage": R.usage(sum(len(p) for p in prompts) * s["n"], done)}
-    if body.get("stream"):
-      return _sse(self._completion_chunks(out, [r for rs in per_prompt for r in rs]))
     return JSONResponse(out)
 
-  def _completion_chunks(self, out: dict, results):
-    head = {k: out[k] for k in ("id", "object", "created", "model")}
-    for ch, (c, text, _) in zip(out["choices"], results):
-      for k, (t, piece) in enumerate(zip(c.tokens, R.text_pieces(self.tokenizer, c.tokens,
-                                                                 text))):
-        yield {**head, "choices": [{"index": ch["index"], "text": piece, "finish_reason": None,
-                                    "logprobs": None, "token_ids": [t],
-                                    "policy_versions": [c.versions[k]]}]}
-      yield {**head, "choices": [{"index": ch["index"], "text": "", "logprobs": None,
-                                  "finish_reason": ch["finish_reason"]}]}
+  async def _completion_stream(self, jobs, events, s: dict, prompts: list[list[int]],
+                               log: EpisodeLog | None):
+    head = {"id": R.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+            "model": self.model}
+    chunk = lambda i, text, reason=None, **kw: {**head, "choices": [
+        {"index": i, "text": text, "finish_reason": reason, "logprobs": None, **kw}]}
+    async for ev in self._follow(jobs, events, s):
+      if ev[0] == "token":
+        _, i, t, _, v, piece = ev
+        yield chunk(i, piece, token_ids=[t], policy_versions=[v])
+      elif ev[0] == "end":
+        _, i, (c, _, reason), rest = ev
+        if i == 0 and log is not None:
+          log.turns.append((prompts[0], c))
+        if rest:
+          yield chunk(i, rest)
+        yield chunk(i, "", reason)
+      else:
+        yield R.error_body(ev[1], type_="server_error")
+        return
 
 
-def _sse(chunks) -> StreamingResponse:
-  async def events():
-    for chunk in chunks:
-      yield f"data: {json.dumps(chunk)}\n\n"
-      await asyncio.sleep(0)  # a disconnected client's stream is cancelled here
-    yield "data: [DONE]\n\n"
-  return StreamingResponse(events(), media_type="text/event-stream")
+class _LiveSSE(StreamingResponse):
+  """Server-sent events of a live reply; however the response ends (its last event, a client
+  that went away, an error), the jobs still running are cancelled, freeing their slots."""
+
+  def __init__(self, chunks, jobs: list[Job]):
+    self.jobs = jobs
+
+    async def events():
+      async for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+      yield "data: [DONE]\n\n"
+
+    super().__init__(events(), media_type="text/event-stream")
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      for job in self.jobs:
+        if not job.future.done():
+          job.cancel()
 
 
 async def _http_error(request: Request, exc: HTTPException):

@@ -125,18 +125,34 @@ def exact_fields(prompt: list[int], c: Completion) -> dict[str, Any]:
           "policy_versions": list(c.versions)}
 
 
-def text_pieces(tokenizer, tokens: list[int], text: str) -> list[str]:
-  """Per token, the text it adds to the decoding so far (for streaming); the pieces join to
-  `text`. A token that ends inside a multi-byte character adds "" and the next one the
-  character."""
-  pieces, emitted = [], ""
-  for i in range(1, len(tokens) + 1):
-    now = tokenizer.decode(tokens[:i])
-    if now.startswith(emitted) and not now.endswith("\ufffd") and text.startswith(now):
-      pieces.append(now[len(emitted):])
-      emitted = now
-    else:
-      pieces.append("")
-  if pieces:
-    pieces[-1] += text[len(emitted):]
-  return pieces
+class LiveText:
+  """The text of a reply as its tokens arrive (streaming), cut as `finish` cuts it: at
+  `max_tokens` tokens or the first token whose decoding holds a stop string (kept).
+
+  `feed(tokens)` takes all the reply's tokens so far -> (index, text piece) of each token not
+  sent yet and within the cut: the text it adds to the decoding so far ("" while it ends inside
+  a multi-byte character). `done`: the cut is reached. `rest(text)`: what the final text adds to
+  the pieces sent."""
+
+  def __init__(self, tokenizer, max_tokens: int, stop: list[str]):
+    self.tok, self.max_tokens, self.stop = tokenizer, max_tokens, stop
+    self.sent, self.emitted, self.cut = 0, "", False
+
+  def feed(self, tokens: list[int]) -> list[tuple[int, str]]:
+    out = []
+    while not self.cut and self.sent < min(len(tokens), self.max_tokens):
+      now, piece = self.tok.decode(tokens[:self.sent + 1]), ""
+      if now.startswith(self.emitted) and not now.endswith("\ufffd"):
+        piece, self.emitted = now[len(self.emitted):], now
+      out.append((self.sent, piece))
+      self.sent += 1
+      self.cut = any(s in now for s in self.stop)
+    return out
+
+  @property
+  def done(self) -> bool:
+    """The cut is reached: later tokens are not part of the reply."""
+    return self.cut or self.sent >= self.max_tokens
+
+  def rest(self, text: str) -> str:
+    return text[len(self.emitted):] if text.startswith(self.emitted) else ""
