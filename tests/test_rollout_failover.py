@@ -14,10 +14,15 @@ import sys
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.parallel.bridge import VersionGone, VersionServer, fetch_version
+from conftest import tiny_model_config
+from jaxrl.models.transformer import abstract_model
+from jaxrl.parallel import make_mesh, param_shardings
+from jaxrl.parallel.bridge import ParamsBridge, VersionGone, VersionServer, fetch_version
 from jaxrl.parallel.peers import KEY, PeerWatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,6 +210,32 @@ def test_a_client_lost_mid_transfer_costs_the_server_nothing():
   assert fetch_version(server.address, 0, timeout_s=5) == data  # the others are served
   assert server.served == 1 and len(server.failed) == 1
   server.close()
+
+
+# (train devices, rollout devices): R = T, R > T, R < T
+@pytest.mark.parametrize("train, rollout", [(4, 4), (2, 6), (3, 1)])
+@pytest.mark.parametrize("wire", [jnp.float32, jnp.bfloat16])
+def test_params_cross_whole_over_the_version_server(devices, train, rollout, wire):
+  """The train side's rows of a version (`host_rows`), served and fetched over TCP, unpack on
+  the rollout devices (`from_rows`) into the params bit for bit in the wire dtype, laid out by
+  the rollout mesh's own shardings."""
+  _, abstract = abstract_model(tiny_model_config(vocab_size=64))
+  rng = np.random.default_rng(0)
+  values = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), abstract)
+  params = jax.device_put(values, param_shardings(abstract, make_mesh(train, 1, 1,
+                                                                       devices[:train])))
+  group = devices[train:train + rollout]
+  bridge = ParamsBridge(devices[:train], [group], abstract, wire)
+  layout = param_shardings(abstract, make_mesh(1, 1, len(group), group))
+  server = VersionServer(timeout_s=5)
+  server.publish(7, bridge.host_rows(params))
+  got = bridge.from_rows({0: fetch_version(server.address, 7, timeout_s=5)}, layout)
+  server.close()
+  for a, b, sh in zip(jax.tree.leaves(got), jax.tree.leaves(values), jax.tree.leaves(layout)):
+    assert a.dtype == wire and a.sharding == sh
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(jnp.asarray(b).astype(wire)))
+  with pytest.raises(ValueError, match="process 0 sent"):
+    bridge.from_rows({0: b"\0" * 8}, layout)
 
 
 def _probe(scenario: str, recoverable: int) -> dict:

@@ -154,16 +154,24 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
   auto = isinstance(section, ConfigDict) and section.get("auto") is True
   # distributed_settings() has checked it too (a bad value returns None before this point).
   peer_timeout_s = section.get("peer_timeout_s", 60) if isinstance(section, ConfigDict) else 60
+  # Disaggregated across processes: a lost process must not end the JAX job by itself
+  # (jaxrl.parallel.distributed.recover_lost_processes); validate() names a malformed value.
+  mesh = cfg.get("mesh")
+  rollout = mesh.get("rollout_processes", "") if isinstance(mesh, ConfigDict) else ""
+  try:
+    recoverable = isinstance(rollout, str) and bool(config_lib.schema.process_list(rollout))
+  except ValueError:
+    recoverable = False
   try:
     how = parallel.distributed.join(*settings, auto=auto, env=os.environ,
-                                    peer_timeout_s=peer_timeout_s)
+                                    peer_timeout_s=peer_timeout_s, recoverable=recoverable)
   except parallel.distributed.EnvError as e:
     problems.append(f"config.distributed.auto: {e}; --config.distributed.auto=false ignores the "
                     "launcher's variables")
     return
   if how is not None:
     # A lost or failing process ends every process, named (jaxrl.parallel.peers).
-    parallel.peers.watch(peer_timeout_s)
+    parallel.peers.watch(peer_timeout_s, hold_exit=recoverable)
     if parallel.distributed.is_main():
       print(f"jaxrl | joined {jax.process_count()} processes ({jax.device_count()} devices) "
             f"through {how}", flush=True)

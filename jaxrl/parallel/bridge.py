@@ -27,8 +27,12 @@ data plane's metadata and the rewards are computed on the host), so no device pr
 ordered against the publish.
 
 `VersionServer` and `fetch_version` carry byte strings by version over plain TCP, point to point:
-the transport of params versions meant to replace the exchange when rollout processes may be
-lost (docs/failures.md, "Rollout processes that come and go"); a run does not use them yet.
+the transport of params versions that survives a lost rollout process (docs/failures.md,
+"Rollout processes that come and go"), which a run disaggregated across processes uses in place
+of the exchange: the same packing on the train side (step 1, then each train process's rows as
+bytes, `ParamsBridge.host_rows`), served per version by each train process, and the same
+unpacking on each rollout process (step 3, from the rows of every train process,
+`ParamsBridge.from_rows`). No program spans the two sides then.
 """
 
 from __future__ import annotations
@@ -183,8 +187,10 @@ class VersionServer:
     try:
       with conn:
         conn.settimeout(self.timeout_s)
-        version = int(_read_line(conn))
-        deadline = time.monotonic() + self.timeout_s
+        asked = _read_line(conn).split()
+        version = int(asked[0])
+        wait_s = min(self.timeout_s, float(asked[1])) if len(asked) > 1 else self.timeout_s
+        deadline = time.monotonic() + wait_s
         with self._cond:
           while (version not in self._versions and version >= self._oldest
                  and not self._stop.is_set() and time.monotonic() < deadline):
@@ -216,7 +222,8 @@ def _read_line(conn: socket.socket, limit: int = 64) -> str:
 
 def fetch_version(address: str, version: int, timeout_s: float = 60.0) -> bytes:
   """Version `version`'s bytes from the `VersionServer` at `address` ("host:port"), waiting up
-  to `timeout_s` for each step (the server's own wait included).
+  to `timeout_s` for each step (the server waits up to the smaller of `timeout_s` and its own
+  timeout for the version to be published).
 
   Raises:
     VersionGone: the server has retired it.
@@ -226,7 +233,7 @@ def fetch_version(address: str, version: int, timeout_s: float = 60.0) -> bytes:
   host, port = address.rsplit(":", 1)
   with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
     conn.settimeout(timeout_s + 5)  # past the server's own wait, which answers first
-    conn.sendall(f"{version}\n".encode())
+    conn.sendall(f"{version} {timeout_s:g}\n".encode())
     kind = _recv_exact(conn, 1)
     if kind == b"E":
       why = _read_line(conn, 200)
@@ -235,6 +242,21 @@ def fetch_version(address: str, version: int, timeout_s: float = 60.0) -> bytes:
       raise TimeoutError(f"{address}: {why} within {timeout_s:g} s")
     n = int.from_bytes(_recv_exact(conn, 8), "little")
     return _recv_exact(conn, n)
+
+
+def reachable_host() -> str:
+  """This host's address as the other processes of the run reach it: the one its route to the
+  coordination service leaves from (127.0.0.1 when that runs on this host's loopback)."""
+  from jax._src import distributed as jax_distributed  # the coordinator's address, as joined
+
+  address = getattr(jax_distributed.global_state, "coordinator_address", None) or "127.0.0.1:1"
+  host = address.rsplit(":", 1)[0].strip("[]")
+  try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+      probe.connect((host, 9))  # a UDP connect sends nothing: it only picks the route
+      return probe.getsockname()[0]
+  except OSError:
+    return "127.0.0.1"
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -380,6 +402,38 @@ class ParamsBridge:
     rows = self._pack(leaves)
     return {s.device: s.data for s in rows.addressable_shards}
 
+  def rows_of(self, process: int) -> list[int]:
+    """The rows of the packed buffer (train devices) `process` holds, in order."""
+    return [j for j, d in enumerate(self.train) if d.process_index == process]
+
+  def host_rows(self, params) -> bytes:
+    """The train side's packing of `params` (one program on the train devices), then this
+    process's rows of it (`rows_of`) as bytes, in the wire dtype: what `from_rows` unpacks."""
+    by_device = self._rows(params)
+    mine = [self.train[j] for j in self.rows_of(jax.process_index())]
+    return b"".join(np.asarray(by_device[d]).tobytes() for d in mine)
+
+  def from_rows(self, rows: dict, shardings):
+    """A rollout process's params, laid out by `shardings` (on its rollout mesh), from every
+    train process's `host_rows` (`rows`: process -> bytes): column i of the buffer onto its
+    device i, then the same unpacking as `receive`."""
+    full = np.zeros((self.T, self.R, self.block), self.wire)
+    for q, data in rows.items():
+      at = self.rows_of(q)
+      got = np.frombuffer(data, self.wire)
+      if got.size != len(at) * self.R * self.block:
+        raise ValueError(f"ParamsBridge.from_rows: process {q} sent {got.size} values, expected "
+                         f"{len(at) * self.R * self.block}")
+      full[at] = got.reshape(len(at), self.R, self.block)
+    group = self.group_of(jax.process_index())
+    devices = self.groups[group]
+    line = Mesh(np.asarray(devices, dtype=object), ("u",))
+    cols = jax.make_array_from_single_device_arrays(
+        (self.R, self.T, self.block), NamedSharding(line, PartitionSpec("u")),
+        [jax.device_put(np.ascontiguousarray(full[:, i][None]), d)
+         for i, d in enumerate(devices)])
+    return self._post_for(group, shardings)(cols)
+
   def send(self, params) -> jax.Array:
     """The train side's part of publishing `params` (launched, not waited for). Returns the
     exchange's output: ready once every rollout process has taken part. A caller must not launch
@@ -414,11 +468,14 @@ class ParamsBridge:
     cols = jax.make_array_from_single_device_arrays(
         (self.R, self.T, self.block), NamedSharding(line, PartitionSpec("u")),
         [by_device[d] for d in devices])
+    return self._post_for(group, shardings)(cols)
+
+  def _post_for(self, group: int, shardings):
     key = (group, tuple(jax.tree.leaves(shardings)))
     post = self._posts.get(key)
     if post is None:
       post = self._posts[key] = self._post(group, shardings)
-    return post(cols)
+    return post
 
   def group_of(self, process: int) -> int:
     """The rollout group of `process` (ValueError when it holds no rollout device)."""

@@ -209,6 +209,16 @@ def _heartbeat(peer_timeout_s: float | None) -> dict:
   return {"heartbeat_timeout_seconds": int(peer_timeout_s) + peers.JAX_MARGIN_S}
 
 
+def recover_lost_processes() -> None:
+  """Lets the other processes of the JAX job go on when one is lost (`jax_enable_recoverability`,
+  set before joining; without it JAX's coordination service ends every process when one is
+  lost, whatever the run does: docs/failures.md). Set on every process of a run disaggregated
+  across processes, and on no other run. JAX's shutdown barrier then holds none of the
+  processes, so process 0, which runs the coordination service, waits for the others itself
+  (`peers.PeerWatch`, `hold_exit`)."""
+  jax.config.update("jax_enable_recoverability", True)
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                timeout_s: int = 300, peer_timeout_s: float | None = None) -> None:
   """Joins the processes of a run; a no-op for a single process."""
@@ -246,17 +256,20 @@ def initialize_detected(found: Detected, timeout_s: int = 300,
 
 def join(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300,
          *, auto: bool = False, env: Mapping[str, str] | None = None,
-         peer_timeout_s: float | None = None) -> str | None:
+         peer_timeout_s: float | None = None, recoverable: bool = False) -> str | None:
   """Joins the processes of a run; returns how (for the start-up line), None for one process.
 
   Explicit settings (`num_processes > 1`) win. Otherwise, with `auto` and no
   `coordinator_address`, `detect(env)` decides. `peer_timeout_s`: how long a silent process is
   waited for (`jaxrl.parallel.peers`; JAX's heartbeat timeout is set a margin above it).
+  `recoverable` (a run with `mesh.rollout_processes`): `recover_lost_processes` first.
 
   Raises:
     EnvError: from `detect`, naming the malformed environment variable (nothing is joined).
   """
   if num_processes > 1:
+    if recoverable:
+      recover_lost_processes()
     initialize(coordinator_address, num_processes, process_id, timeout_s, peer_timeout_s)
     return f"distributed.* keys (coordinator {coordinator_address})"
   if not auto or coordinator_address or env is None:
@@ -264,6 +277,8 @@ def join(coordinator_address: str, num_processes: int, process_id: int, timeout_
   found = detect(env)
   if found is None:
     return None
+  if recoverable:
+    recover_lost_processes()
   initialize_detected(found, timeout_s, peer_timeout_s)
   where = f"; coordinator {found.coordinator_address}" if found.coordinator_address else ""
   return f"{found.source}{where}"

@@ -61,14 +61,18 @@ class PeerWatch:
   `key_value_dir_get(prefix)`); `exit`: what ends the process (`os._exit` by default; a test
   passes its own). `report` receives the one-line message before `exit(1)`. `droppable`: the
   processes dropped rather than fatal when lost; `on_lost(q, why)` and `on_back(q)` are called
-  on the watch's threads when one is dropped or beats again (they must return promptly).
+  on the watch's threads when one is dropped or beats again (they must return promptly; `listen`
+  sets them later). `hold_exit` (process 0 of a run with recoverability on, where JAX's own
+  shutdown barrier holds nobody): `finish` returns only once every other process has finished,
+  ended or been dropped, so the coordination service this process runs outlives them.
   """
 
   def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
                interval_s: float | None = None, exit: Callable[[int], None] = os._exit,
                report: Callable[[str], None] | None = None, droppable=(),
                on_lost: Callable[[int, str], None] | None = None,
-               on_back: Callable[[int], None] | None = None):
+               on_back: Callable[[int], None] | None = None, hold_exit: bool = False):
+    self.hold_exit = hold_exit
     self.client, self.me, self.n = client, process_id, num_processes
     self.timeout_s = float(timeout_s)
     self.interval_s = interval_s if interval_s is not None else min(2.0, self.timeout_s / 10)
@@ -104,11 +108,29 @@ class PeerWatch:
       self._threads.append(t)
     return self
 
+  def listen(self, on_lost: Callable[[int, str], None] | None,
+             on_back: Callable[[int], None] | None = None) -> None:
+    """Who is told when a droppable process is dropped or back (see the class docstring)."""
+    with self._lock:
+      self._on_lost, self._on_back = on_lost, on_back
+      lost = sorted(self.dropped)
+    for q in lost:  # dropped before anyone listened
+      if on_lost is not None:
+        on_lost(q, f"lost process {q} of {self.n}")
+
   def finish(self) -> None:
     """This process is done (success, or an error it has reported itself): others stop
-    watching it. The threads stop."""
+    watching it. The threads stop (with `hold_exit`, once the others are done: see the class
+    docstring; a process that goes silent meanwhile is judged as ever)."""
     self._set("done", "")
+    while self.hold_exit and not self._stop.is_set() and not self._others_over():
+      time.sleep(min(0.2, self.interval_s))
     self._stop.set()
+
+  def _others_over(self) -> bool:
+    """Every other process has finished, ended, failed or been dropped."""
+    return all(self._peer_states.get(q, "running") != "running" or q in self.dropped
+               for q in self._seen)
 
   def fail(self, why: str, wait_s: float | None = None) -> None:
     """This process failed with `why` (one line): tells the others, who end with a message naming
@@ -120,8 +142,7 @@ class PeerWatch:
     horizon = self.timeout_s + 3 * self.interval_s + 2  # a beat is seen up to an interval late
     deadline = time.monotonic() + (horizon if wait_s is None else wait_s)
     while time.monotonic() < deadline and not self._stop.is_set():
-      if all(self._peer_states.get(q, "running") != "running" or q in self.dropped
-             for q in self._seen):
+      if self._others_over():
         break
       time.sleep(min(0.2, self.interval_s))
     self._stop.set()
@@ -245,9 +266,11 @@ def _stderr(message: str) -> None:
 WATCH: PeerWatch | None = None  # this process's, once `watch` started it
 
 
-def watch(timeout_s: float, interval_s: float | None = None) -> PeerWatch | None:
+def watch(timeout_s: float, interval_s: float | None = None, *, droppable=(),
+          hold_exit: bool = False) -> PeerWatch | None:
   """Starts this process's `PeerWatch` (none for a single process or without a coordination
-  service); returns it (also kept as `WATCH`)."""
+  service); returns it (also kept as `WATCH`). `droppable`, `hold_exit`: `PeerWatch`'s (the
+  latter on process 0 only)."""
   global WATCH
   import jax
 
@@ -255,7 +278,8 @@ def watch(timeout_s: float, interval_s: float | None = None) -> PeerWatch | None
   if client is None:
     return None
   WATCH = PeerWatch(client, jax.process_index(), jax.process_count(), timeout_s,
-                    interval_s).start()
+                    interval_s, droppable=droppable,
+                    hold_exit=hold_exit and jax.process_index() == 0).start()
   # Registered after JAX's own exit handler, so it runs first: a process that exits normally
   # (also on an error every process meets, e.g. a bad config) is done, not lost.
   atexit.register(WATCH.finish)

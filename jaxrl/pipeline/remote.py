@@ -9,8 +9,8 @@ in the data plane when it pulls the batch (`globalize`). Everything else (the la
 staleness, metrics, evaluation on the train mesh, checkpoints) is the one-process loop's.
 
 Messages (`jaxrl.parallel.bridge.Channel`, the coordination service): `start` (train -> rollout:
-the first batch to make, the last one, the producer state to resume from), `publish/<v>` (the
-train side launched version v's publish), `rows/<b>/<k>/<q>` (rollout process k's part of batch
+the first batch to make, the last one, the producer state to resume from), `versions/<q>` (where
+train process q serves params versions, `Versions`), `rows/<b>/<k>/<q>` (rollout process k's part of batch
 b for train process q), `ckpt/<k>/<n>` (checkpoint operation n, for rollout process k,
 `jaxrl.runtime.mirror`), `stop` (a signal reached a rollout process: the train side checkpoints
 and stops), `done` (the train side finished: the rollout processes return).
@@ -26,7 +26,7 @@ import numpy as np
 from jaxrl import parallel
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
-from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides
+from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides, train_processes
 from jaxrl.pipeline.producer import LocalRows, ProcessShare, RingItem, RolloutProducer, combine
 from jaxrl.pipeline.worker import params_version
 from jaxrl.rollout.precision import cast_first, rollout_dtype
@@ -75,24 +75,31 @@ class Versions:
   """How each params version crosses to the rollout processes (both sides build the same one from
   the run's `parts` and the base model's `params`, or arrays of their shapes).
 
-  Without LoRA, the whole params through one `ParamsBridge` (wire dtype `wire_dtype`, arriving
-  in the samplers' dtype). With LoRA (`model.lora`), as colocated (`lora.AdapterSync`): the
-  frozen base crosses once with the adapters (and again only if the train state's base is
-  another object, e.g. after a restore), the adapters alone every other version, in the
-  trainer's dtype, and each rollout process merges them into the base's weights there, in the
-  samplers' dtype. Each version is one exchange (a bridge for the whole LoRA params, one for the
-  adapters). `send` (train side) returns what it sent, which the rollout side passes to
-  `receive`.
+  Over TCP, point to point (`bridge.VersionServer`): each train process serves its rows of each
+  version's packed params (`ParamsBridge.host_rows`), its address under `versions/<process>`
+  in the channel, and each rollout process fetches every train process's rows of the version it
+  needs (`fetch_version`) and unpacks them on its own devices (`ParamsBridge.from_rows`). No
+  program spans both sides, so a lost rollout process costs only its own connections
+  (docs/failures.md). Without LoRA the whole params cross (wire dtype `wire_dtype`, arriving in
+  the samplers' dtype). With LoRA (`model.lora`), as colocated (`lora.AdapterSync`): the frozen
+  base crosses with the adapters for the first version (and again only if the train state's base
+  is another object, e.g. after a restore), the adapters alone for the others, in the trainer's
+  dtype, and each rollout process merges them into the base's weights there, in the samplers'
+  dtype. `send` (train side) returns what it sent: 'whole', 'base' or 'adapters'.
   """
 
-  def __init__(self, parts, mesh_shape, params):
+  def __init__(self, parts, mesh_shape, params, channel: bridge_lib.Channel | None = None,
+               timeout_s: float = 60.0):
     cfg = parts.cfg
     train, groups = sides(mesh_shape)[0], rollout_groups(mesh_shape)
     self.K = len(groups)  # rollout processes
+    self.trainers = train_processes(mesh_shape)
+    self.channel, self.lag, self.timeout_s = channel, cfg.rollout.lag, float(timeout_s)
     lora = lora_lib.with_lora(parts.model_cfg, cfg.model.lora)
     self.lora = lora if lora.lora_rank else None
     self.dtype = rollout_dtype(cfg)
-    self._inflight = None  # the last exchange launched (train side)
+    self.server: bridge_lib.VersionServer | None = None  # train side, `serve`
+    self._addresses: dict[int, str] = {}  # rollout side: each train process's server
     if self.lora is None:
       self.whole = bridge_lib.ParamsBridge(train, groups, params, wire_dtype(cfg, params),
                                            self.dtype)
@@ -118,35 +125,62 @@ class Versions:
   def base_bytes(self) -> int:
     return 0 if self.lora is None else self.base.wire_bytes
 
-  def send(self, params) -> str:
-    """The train side's part of publishing `params` (the train state's, with their adapters
-    where LoRA): 'whole', 'base' (the base with the adapters) or 'adapters'."""
-    # One exchange in flight at a time (`ParamsBridge.send`): the previous version's has
-    # finished once the rollout processes joined it, which they do as soon as they are told.
-    if self._inflight is not None:
-      jax.block_until_ready(self._inflight)
-    if self.lora is None:
-      self._inflight = self.whole.send(params)
-      return "whole"
-    adapters, base = lora_lib.split(params)
-    if self._sent.changed(base):
-      self._inflight = self.base.send(params)
-      return "base"
-    self._inflight = self.adapters.send(adapters)
-    return "adapters"
+  def serve(self) -> None:
+    """Train side: starts this process's server and says where it is."""
+    self.server = bridge_lib.VersionServer(bridge_lib.reachable_host(), 0, self.timeout_s)
+    self.channel.set(f"versions/{jax.process_index()}", self.server.address)
 
-  def receive(self, kind: str):
-    """A rollout process's part of publishing a version `send` sent as `kind`: the samplers'
-    params on its rollout mesh."""
+  def send(self, version: int, params) -> str:
+    """The train side's part of publishing `params` (the train state's, with their adapters
+    where LoRA) as `version`: the packing (one program on the train devices, every train process
+    at the same point), then this process's rows served; versions no batch still to come needs
+    (below `version - L`) are retired."""
     if self.lora is None:
-      return self.whole.receive(self.shardings["whole"])
+      kind, data = "whole", self.whole.host_rows(params)
+    else:
+      adapters, base = lora_lib.split(params)
+      if self._sent.changed(base):
+        kind, data = "base", self.base.host_rows(params)
+      else:
+        kind, data = "adapters", self.adapters.host_rows(adapters)
+    self.server.publish(version, kind.encode() + b"\n" + data)
+    self.server.retire_below(version - self.lag)
+    return kind
+
+  def receive(self, version: int, should_stop=lambda: False):
+    """A rollout process's part of publishing `version`: the samplers' params on its rollout
+    mesh, once every train process has served its rows (ChannelClosed if `should_stop()`
+    first)."""
+    rows, kinds = {}, set()
+    for q in self.trainers:
+      if q not in self._addresses:
+        self._addresses[q] = self.channel.wait(f"versions/{q}", should_stop)
+      while True:
+        if should_stop():
+          raise bridge_lib.ChannelClosed(f"version {version}")
+        try:
+          data = bridge_lib.fetch_version(self._addresses[q], version, min(self.timeout_s, 5.0))
+          break
+        except TimeoutError:  # not published yet (the train step that makes it is running)
+          continue
+      kind, rows[q] = data.split(b"\n", 1)
+      kinds.add(kind.decode())
+    if len(kinds) != 1:
+      raise RuntimeError(f"version {version} arrived as {sorted(kinds)} from the train processes")
+    kind = kinds.pop()
+    if self.lora is None:
+      return self.whole.from_rows(rows, self.shardings["whole"])
     if kind == "base":
-      adapters, self._base = lora_lib.split(self.base.receive(self.shardings["base"]))
+      adapters, self._base = lora_lib.split(self.base.from_rows(rows, self.shardings["base"]))
       self._rest = lora_lib.unadapted(self.lora, self._base, self.dtype)
     else:
-      adapters = self.adapters.receive(self.shardings["adapters"])
+      adapters = self.adapters.from_rows(rows, self.shardings["adapters"])
     return lora_lib.merge(self.lora, lora_lib.join(self._base, adapters), self.dtype,
                           self._rest)
+
+  def close(self) -> None:
+    if self.server is not None:
+      self.server.close()
 
 
 def horizon(steps: int, lag: int) -> int:
@@ -228,6 +262,7 @@ class Sender:
   def __init__(self, versions: Versions, channel: bridge_lib.Channel, main: bool):
     self.versions, self.channel, self.main = versions, channel, main
     self.first, self.last = 0, -1
+    versions.serve()
 
   def start(self, first_batch: int, last_batch: int, lag: int, producer: dict | None) -> None:
     """Tells the rollout process which batches to make (and from which producer state)."""
@@ -239,11 +274,10 @@ class Sender:
 
   def __call__(self, version: int, params) -> None:
     if self.first <= version <= self.last:
-      kind = self.versions.send(params)
-      if self.main:
-        self.channel.set(f"publish/{version}", kind)
+      self.versions.send(version, params)
     return None
 
   def done(self) -> None:
     if self.main:
       self.channel.set("done", "1")
+    self.versions.close()

@@ -1,9 +1,8 @@
 """A rollout process of a run disaggregated across processes (`mesh.rollout_processes`): its own
 entry, `run`, instead of the training run's.
 
-It only generates. A receiver thread joins every params version the train side publishes
-(`jaxrl.parallel.bridge.ParamsBridge`, the one program every process launches, in version
-order), and its main thread makes batches 0, 1, 2, ... with the forced-lag version of each,
+It only generates. A receiver thread fetches every params version the train side publishes
+(`jaxrl.pipeline.remote.Versions`, over TCP from each train process, in version order), and its main thread makes batches 0, 1, 2, ... with the forced-lag version of each,
 `params_version(b, L)`, on its own devices, exactly as the one-process `RolloutProducer` does (the
 same prompt stream, request ids, group ids, dynamic sampling), then sends each batch's rows to the
 train side (`jaxrl.pipeline.remote` has the messages). With K rollout processes, process k makes
@@ -59,7 +58,7 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   closes them."""
   stop = stop or (lambda: False)
   channel = run_channel()
-  versions = Versions(parts, mesh_shape, params)
+  versions = Versions(parts, mesh_shape, params, channel)
   ended = threading.Event()
   failure: list[BaseException] = []
   told_stop = False
@@ -107,11 +106,10 @@ def _generate(parts, mesh_shape, progress, channel, versions: Versions, should_s
   wanted = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \
       if last >= first else range(0)
 
-  def receive() -> None:  # the only thread that launches the program spanning both sides
+  def receive() -> None:  # fetches each version from the train processes (`Versions`)
     try:
       for v in wanted:
-        kind = channel.wait(f"publish/{v}", should_stop)
-        handoff.publish(v, versions.receive(kind))
+        handoff.publish(v, versions.receive(v, should_stop))
     except bridge_lib.ChannelClosed:
       pass
     except BaseException as e:  # noqa: BLE001  (reported by the main thread)

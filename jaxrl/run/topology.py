@@ -209,8 +209,9 @@ class Topology:
     newest = handoff.latest if r.partial_rollouts else None
     single = jax.process_count() == 1
     if self.across:
-      versions = remote.Versions(parts, self.mesh_shape, params)
-      sender = remote.Sender(versions, remote.run_channel(), main)
+      channel = remote.run_channel()
+      versions = remote.Versions(parts, self.mesh_shape, params, channel)
+      sender = remote.Sender(versions, channel, main)
       producer = remote.Receiver(parts, sender.channel, versions.K)
       # A signal that reaches a rollout process is said on the channel (`jaxrl.run.actor`).
       return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
