@@ -117,7 +117,7 @@ def _serve(model_dir, *flags):
   raise AssertionError("the server never said where it listens")
 
 
-@pytest.mark.slow  # a served and an in-process tiny model, each compiled: ~90 s on 2 busy cores
+@pytest.mark.slow  # a served and an in-process tiny model, compiled: ~3 min on 2 busy cores
 def test_greedy_evaluation_through_the_endpoint_equals_in_process(tmp_path, monkeypatch):
   pytest.importorskip("starlette")
   model = str(tmp_path / "m")
@@ -129,6 +129,9 @@ def test_greedy_evaluation_through_the_endpoint_equals_in_process(tmp_path, monk
   common = ["--config", recipe, "--task", "math", "--split", "train", "--batch_size", "8",
             f"--config.task.path={data}", "--config.task.val_path=",
             "--config.model.dtype=float32", "--config.rollout.max_new_tokens=8"]
+  multi_turn = ["--config", recipe, "--task", "guess", "--config.model.dtype=float32",
+                "--config.rollout.max_new_tokens=8", "--config.rollout.max_turns=3",
+                "--config.rollout.max_total_tokens=24"]
   proc, url = _serve(model, "--max_prompt_len", "256", "--max_new_tokens", "8",
                      "--num_slots", "4")
   try:
@@ -137,6 +140,9 @@ def test_greedy_evaluation_through_the_endpoint_equals_in_process(tmp_path, monk
                           *common]) == 0
     # The agent task through the same endpoint: `answer` sends each row's prompt as a
     # completion with model="policy", which the evaluation serves as the endpoint's model "m".
+    # A multi-turn task whose completion budget (24 tokens) ends episodes before max_turns.
+    guess = tmp_path / "guess.json"
+    assert evaluate.main(["--endpoint", url, "--out", str(guess), *multi_turn]) == 0
     monkeypatch.syspath_prepend(EXAMPLES)
     agent = tmp_path / "agent.json"
     assert evaluate.main(["--endpoint", url, "--out", str(agent), "--task",
@@ -163,6 +169,11 @@ def test_greedy_evaluation_through_the_endpoint_equals_in_process(tmp_path, monk
   for key in ("val/reward", "val/turns/mean", "val/terminated_frac", "val/truncated_frac",
               "val/failed_frac", "val/env_calls"):
     assert got["metrics"][key] == want["metrics"][key], key
+  guess_here = tmp_path / "guess_here.json"
+  assert evaluate.main(["--hf", model, "--out", str(guess_here), *multi_turn]) == 0
+  got, want = json.loads(guess.read_text()), json.loads(guess_here.read_text())
+  assert got["metrics"] == want["metrics"]
+  assert 1 < got["metrics"]["val/turns/mean"] < 3 and got["metrics"]["val/truncated_frac"] == 1
   # The agent's requests were served (model rewritten): every episode made one request and got
   # a reply of one token (the bigram machine's EOS after a plain-text prompt's last token).
   a = json.loads(agent.read_text())

@@ -41,6 +41,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import threading
 import time
 from typing import Sequence
 
@@ -231,8 +232,8 @@ class Pass:
     """One environment call with all its rows of this turn; applies its result."""
     rows = [r for r, _ in pairs]
     try:
-      res = await asyncio.wait_for(asyncio.to_thread(call_step, self.envs[name],
-                                                     [t for _, t in pairs]), self.env_timeout_s)
+      res = await asyncio.wait_for(_in_thread(call_step, self.envs[name], [t for _, t in pairs],
+                                              name=f"jaxrl-env-{name}"), self.env_timeout_s)
     except asyncio.TimeoutError:
       res = TimeoutError(f"no result within env.timeout_s={self.env_timeout_s:g}")
     except Exception as e:  # noqa: BLE001  (its rows fail; the pass goes on)
@@ -251,6 +252,34 @@ class Pass:
         r.truncated = True  # (no room left for an observation and a next token)
       else:
         r.messages.append(("user", res.observations[j]))
+
+
+def _in_thread(fn, *args, name: str) -> asyncio.Future:
+  """`fn(*args)` on its own daemon thread, as a future of this loop: a call that outlives its
+  timeout is abandoned there (as the in-process loop abandons one), never joined at exit."""
+  loop = asyncio.get_running_loop()
+  future = loop.create_future()
+
+  def settle(value, error):
+    if future.done():
+      return
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(value)
+
+  def run():
+    try:
+      value, error = fn(*args), None
+    except BaseException as e:  # noqa: BLE001  (handed to the waiting coroutine)
+      value, error = None, e
+    try:
+      loop.call_soon_threadsafe(settle, value, error)
+    except RuntimeError:  # the pass has ended (the call timed out and was abandoned)
+      pass
+
+  threading.Thread(target=run, daemon=True, name=name).start()
+  return future
 
 
 class ForcedRequests:
