@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import json
 
+from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs.expr import ExprError, evaluate
 
 MAX_CALLS = 3
+# The default run's tokenizer for task `add` (jaxrl.run.inputs: one id per character of the
+# task's alphabet): what `tool` encodes the tool's text with.
+ADD_TOKENIZER = CharTokenizer("0123456789+=")
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "Evaluates an arithmetic expression with + - * / ( ).",
     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
@@ -49,6 +53,36 @@ async def solve(client, task) -> dict[str, float]:
   return {"correct": float(correct), "used_tool": 0.1 * float(calls > 0)}
 
 
+def graded(choice, answer: str) -> float:
+  """1.0 iff a completion choice is exactly `answer` and ended by the model's end of sequence
+  (`finish_reason` "stop"), the rule of the built-in `add`: a reply cut by `max_tokens` scores 0
+  even when its text is right."""
+  return float(choice.finish_reason == "stop" and choice.text.strip() == answer)
+
+
 async def answer(client, task) -> float:
   r = await client.completions.create(model="policy", prompt=task.prompt)
-  return float(r.choices[0].text.strip() == task.data["answer"])
+  return graded(r.choices[0], task.data["answer"])
+
+
+async def tool(client, task) -> dict[str, float]:
+  """Two turns over the completions API around the `calc` tool, for the default run's
+  character-level model. Turn 1: the model drafts an answer to the row's prompt ("07+35=").
+  The agent runs `calc` on the row's expression and appends its result and "=" after the draft,
+  as context ("07+35=41<eos>42="). Turn 2: the model answers; the reward is that answer graded as
+  `add` grades (`graded`). The tool's result is what makes the answer right: copying it solves
+  every row, while the model's own sums are right for a third of them after the warm-up.
+
+  Turn 2's prompt is token ids: turn 1's prompt and reply exactly as the server returned them
+  (`prompt_token_ids`, `token_ids`, the end of sequence included), then the tool's text in the
+  run's tokenizer (the character tokenizer over `add`'s alphabet). It extends turn 1 token for
+  token, so the episode is one trajectory: draft and answer trained, the tool's result context."""
+  r1 = (await client.completions.create(model="policy", prompt=task.prompt)).choices[0]
+  result = calc(json.dumps({"expr": task.prompt.rstrip("=")}))
+  context = list(r1.prompt_token_ids) + list(r1.token_ids) + ADD_TOKENIZER.encode(result + "=")
+  r2 = (await client.completions.create(model="policy", prompt=context)).choices[0]
+  want = task.data["answer"]
+  # Partial credit (under 1, so held-out accuracy still counts exact answers only): the share
+  # of the answer's characters the reply has in place.
+  near = sum(a == b for a, b in zip(r2.text, want)) / len(want) if r2.text else 0.0
+  return {"correct": graded(r2, want), "digits": 0.1 * near}

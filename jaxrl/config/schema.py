@@ -273,7 +273,7 @@ RULES: list[tuple[str, Rule]] = [
     ("val.max_wait_s", _gt(0)),
     ("env.timeout_s", (lambda v: v >= 0.1, ">= 0.1 (seconds: a shorter limit fails the calls of "
                        "any real environment)")),
-    ("agent.max_concurrency", _ge(1)),
+    ("agent.max_concurrency", _ge(0)),
     ("agent.timeout_s", _gt(0)),
     ("profile.steps", (_profile_steps_ok, "'' (off) or 'A:B' with whole numbers 1 <= A <= B "
                        "(RL steps A to B)")),

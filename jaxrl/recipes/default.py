@@ -354,10 +354,14 @@ def get_config() -> ConfigDict:
   c.agent = ConfigDict()
   # The built-in task whose rows (prompt and data) the agent function is given.
   c.agent.task = "add"
-  # Episodes played at once.
-  c.agent.max_concurrency = 16
+  # Episodes played at once; 0 = every episode of a batch (the engine then batches them all).
+  c.agent.max_concurrency = 0
   # An episode slower than this (seconds) fails and is excluded, like a failed environment row.
   c.agent.timeout_s = 60.0
+  # The supervised warm-up's stopping rule (dev accuracy) plays the agent's episodes too; false:
+  # it scores agent.task's own single sampler pass, as that task's own run does (the warm-up
+  # trains agent.task's demonstrations either way).
+  c.agent.warmup_through_agent = False
 
   # Profiling and the per-step time breakdown (jaxrl.observe.profiling).
   c.profile = ConfigDict()

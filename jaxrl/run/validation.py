@@ -63,13 +63,16 @@ def evaluate(parts, params, split: str, pass_id: str) -> dict:
       else parts.for_rollout(params)
   tasks = parts.source.split(split)
   bs, k = v.batch_size, v.samples_per_prompt
+  # An agent task's `dev` split (read only by the warm-up's stopping rule) is scored by its rows'
+  # own task unless agent.warmup_through_agent (`AgentLoop.dev_loop`).
+  loop = (getattr(parts.val_loop, "dev_loop", None) if split == "dev" else None) or parts.val_loop
   metas, eps = [], []
   try:
     for start in range(0, len(tasks), bs):
       chunk = tasks[start:start + bs]
       padded = chunk + [chunk[-1]] * (bs - len(chunk))
-      ep = parts.val_loop.run(params, padded, jax.random.key(parts.cfg.seed), request_base=0,
-                              version=0, temperature=v.temperature)
+      ep = loop.run(params, padded, jax.random.key(parts.cfg.seed), request_base=0, version=0,
+                    temperature=v.temperature)
       real = np.arange(bs * k) < len(chunk) * k
       meta = BatchMeta.mint("val", f"{pass_id}/{start}",
                             group_ids=start + np.arange(bs * k) // k, lengths=ep.mask.sum(1),

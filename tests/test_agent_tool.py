@@ -1,0 +1,119 @@
+"""The calculator example's agents for the default character-level model
+(examples/calculator_agent.py): `answer` and `tool` grade as the built-in `add` grades (a reply
+cut by the token budget scores 0), and `tool`'s two turns around the `calc` tool become one
+trajectory of exactly the tokens the server generated, the tool's result as context."""
+
+import asyncio
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+
+from jaxrl.data.tokenizer import CharTokenizer  # noqa: E402
+from jaxrl.envs.arithmetic import AddSource  # noqa: E402
+from jaxrl.models import ModelConfig, init_model  # noqa: E402
+from jaxrl.rollout.multi_turn import Budget  # noqa: E402
+from jaxrl.serving.agents import AgentLoop  # noqa: E402
+from jaxrl.serving.openai import OpenAIServer  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+import calculator_agent  # noqa: E402
+
+BUDGET = Budget(max_prompt_len=6, max_new_tokens=4, max_total_tokens=12, max_turns=2)
+
+
+class _Completions:
+  """A stand-in for `client.completions`: replies with the given choices, in order."""
+
+  def __init__(self, choices):
+    self.choices, self.prompts = list(choices), []
+
+  async def create(self, *, model, prompt, **kw):
+    self.prompts.append(prompt)
+    text, reason = self.choices.pop(0)
+    return types.SimpleNamespace(choices=[types.SimpleNamespace(
+        text=text, finish_reason=reason, prompt_token_ids=[2, 3], token_ids=[4, 1])])
+
+
+def _play(fn, choices, answer="42"):
+  client = types.SimpleNamespace(completions=_Completions(choices))
+  task = types.SimpleNamespace(prompt="07+35=", data={"answer": answer})
+  return asyncio.run(fn(client, task)), client.completions.prompts
+
+
+@pytest.mark.parametrize("reason,want", [("stop", 1.0), ("length", 0.0)])
+def test_answer_grades_as_add_does(reason, want):
+  # "42" then padding (decoded to nothing) fills the budget without an end of sequence: `add`
+  # scores it 0, and so must the agent, or RL rewards replies the built-in task rejects.
+  assert _play(calculator_agent.answer, [("42", reason)])[0] == want
+
+
+def test_tool_appends_the_calculators_result_and_grades_the_second_turn():
+  value, prompts = _play(calculator_agent.tool, [("41", "stop"), ("42", "stop")])
+  tok = calculator_agent.ADD_TOKENIZER
+  assert prompts == ["07+35=", [2, 3, 4, 1] + tok.encode("42=")]
+  assert value == {"correct": 1.0, "digits": pytest.approx(0.1)}
+  value, _ = _play(calculator_agent.tool, [("42", "stop"), ("41", "stop")])
+  assert value == {"correct": 0.0, "digits": pytest.approx(0.05)}
+
+
+@pytest.fixture(scope="module")
+def char_server():
+  source = AddSource(num_digits=2, seed=0, dev_size=10, val_size=10)
+  tok = CharTokenizer(source.alphabet)
+  assert tok.alphabet == calculator_agent.ADD_TOKENIZER.alphabet  # the run's tokenizer
+  cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2,
+                    num_kv_heads=2, head_dim=16, mlp_dim=64)
+  graphdef, params = init_model(cfg, seed=0)
+  holder = {}
+  server = OpenAIServer(graphdef, None, tok, model="policy", num_slots=8,
+                        max_prompt_len=BUDGET.max_prompt_len + BUDGET.max_total_tokens,
+                        max_new_tokens=BUDGET.max_new_tokens, compact=False,
+                        params_source=lambda: holder["loop"].serving_source(),
+                        warmup=False).start()
+  yield server, tok, params, source, holder
+  server.stop()
+
+
+def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
+  server, tok, params, source, holder = char_server
+  seen = {}
+
+  async def recorded(client, task):
+    create = client.completions.create
+
+    async def recording(**kw):
+      r = await create(**kw)
+      seen.setdefault(task.uid, []).append(r.choices[0])
+      return r
+
+    client.completions.create = recording
+    return await calculator_agent.tool(client, task)
+
+  loop = AgentLoop(recorded, server, tok, BUDGET, 1)
+  holder["loop"] = loop
+  tasks = source.split("val")[:6]
+  ep = loop.run(params, tasks, None, 0, version=5, temperature=1.0)
+  assert not ep.failed.any() and ep.turns.tolist() == [2] * 6
+  assert ep.metadata["agent_segments"].tolist() == [1.0] * 6
+  for i, task in enumerate(ep.tasks):
+    c1, c2 = seen[task.uid]
+    g1, g2 = c1.model_extra["token_ids"], c2.model_extra["token_ids"]
+    p1, p2 = c1.model_extra["prompt_token_ids"], c2.model_extra["prompt_token_ids"]
+    obs = tok.encode(str(int(task.data["answer"])) + "=")
+    assert p1 == tok.encode(task.prompt) and p2 == p1 + g1 + obs
+    assert tok.decode(g1) == c1.text and tok.decode(g2) == c2.text
+    n = len(g1) + len(obs) + len(g2)
+    # The row: the first prompt, the draft (trained), the tool's result (context), the answer.
+    assert ep.prompt_tokens[i][ep.prompt_valid[i]].tolist() == p1
+    assert ep.tokens[i, :n].tolist() == g1 + obs + g2 and not ep.valid[i, n:].any()
+    assert ep.mask[i, :n].tolist() == [True] * len(g1) + [False] * len(obs) + [True] * len(g2)
+    assert (ep.policy_version[i][ep.mask[i]] == 5).all()
+    want = float(c2.finish_reason == "stop" and c2.text.strip() == task.data["answer"])
+    assert ep.components["correct"][i] == want
+  assert np.isfinite(ep.rewards).all()
