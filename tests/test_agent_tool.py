@@ -117,3 +117,36 @@ def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
     want = float(c2.finish_reason == "stop" and c2.text.strip() == task.data["answer"])
     assert ep.components["correct"][i] == want
   assert np.isfinite(ep.rewards).all()
+
+
+CALLS: list[str] = []
+
+
+async def counted(client, task):
+  """`answer`, counting the episodes it plays."""
+  CALLS.append(task.uid)
+  return await calculator_agent.answer(client, task)
+
+
+def test_the_warmups_dev_accuracy_is_the_rows_own_task_unless_asked():
+  import jax
+
+  from jaxrl import config as config_lib
+  from jaxrl.run import parts as parts_lib
+  from jaxrl.run.validation import Evaluator
+
+  from test_bad_input import _tiny_cfg
+
+  def dev_pass(**over):
+    cfg = _tiny_cfg(**over)
+    parts, params = parts_lib.build_parts(cfg, config_lib.validate(cfg, jax.device_count()))
+    return Evaluator(parts, asynchronous=False).evaluate(params, "dev")
+
+  CALLS.clear()
+  builtin = dev_pass()
+  agent = dev_pass(task__name="agent:test_agent_tool:counted")
+  # The same params (same seed, same alphabet), the same rows, the same sampler: the same pass,
+  # and no episode was played through the agent.
+  assert agent == builtin and CALLS == []
+  dev_pass(task__name="agent:test_agent_tool:counted", agent__warmup_through_agent=True)
+  assert len(CALLS) == 16  # task.dev_size rows, one sample each
