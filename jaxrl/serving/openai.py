@@ -19,8 +19,8 @@ engine runs on the dispatcher's thread, which batches every client's requests (`
 Both are supervised: a dead engine thread turns every request into a 503 naming its error, and
 `start` raises if uvicorn does not come up. Requests beyond `max_queue` waiting get a 429.
 
-Streaming sends the reply as server-sent events, one chunk per generated token, as the engine
-makes them (after every decode dispatch, `Job.on_tokens`); with tools the text is held back until
+Streaming sends the reply as server-sent events as the engine makes its tokens: one chunk per
+decode dispatch with the tokens it drew (`Job.on_tokens`); with tools the text is held back until
 the reply is parsed for tool calls (the token ids still stream). A client that disconnects
 mid-stream only loses its own stream: its row is cancelled and its slot freed at the next
 dispatch.
@@ -327,17 +327,17 @@ class OpenAIServer:
     return jobs, events
 
   async def _follow(self, jobs: list[Job], events: asyncio.Queue, s: dict):
-    """The events of live jobs, as their tokens are made: ("token", choice, token, logprob,
-    version, text piece), ("end", choice, (completion, text, finish_reason), text not yet
-    sent), or one ("error", message) if the engine failed."""
+    """The events of live jobs, as their tokens are made: ("tokens", choice, tokens, logprobs,
+    versions, the text they add) for the tokens a dispatch made, ("end", choice, (completion,
+    text, finish_reason), text not yet sent), or one ("error", message) if the engine failed."""
     texts = [R.LiveText(self.tokenizer, s["max_tokens"], s["stop"]) for _ in jobs]
     left = len(jobs)
     while left:
       i, row = await events.get()
       if row is not None:
-        tokens, lps, versions = row
-        for k, piece in texts[i].feed(tokens):
-          yield ("token", i, tokens[k], lps[k], versions[k], piece)
+        new = texts[i].feed(row[0])
+        if new:
+          yield _new_tokens(i, row, new)
         if texts[i].done:  # max_tokens or a stop string: the row need not go on
           jobs[i].cancel()
         continue
@@ -347,8 +347,9 @@ class OpenAIServer:
         yield ("error", f"the engine failed: {e!r}")
         return
       c, text, reason = R.finish(self.tokenizer, c, s["max_tokens"], s["stop"])
-      for k, piece in texts[i].feed(c.tokens):
-        yield ("token", i, c.tokens[k], c.logprobs[k], c.versions[k], piece)
+      new = texts[i].feed(c.tokens)
+      if new:
+        yield _new_tokens(i, (c.tokens, c.logprobs, c.versions), new)
       left -= 1
       yield ("end", i, (c, text, reason), texts[i].rest(text))
 
@@ -362,13 +363,13 @@ class OpenAIServer:
       yield {**chunk(i, {"role": "assistant", "content": ""}), "prompt_token_ids": prompt}
     done = 0
     async for ev in self._follow(jobs, events, s):
-      if ev[0] == "token":
-        _, i, t, lp, v, piece = ev
-        lps = (R.chat_logprobs(self.tokenizer, Completion([t], [lp], [v], False))
+      if ev[0] == "tokens":
+        _, i, ts, lps, vs, piece = ev
+        lps = (R.chat_logprobs(self.tokenizer, Completion(ts, lps, vs, False))
                if logprobs else None)
         # With tools the text is held back until the reply is parsed for tool calls.
-        yield chunk(i, {"content": "" if tools else piece}, logprobs=lps, token_ids=[t],
-                    policy_versions=[v])
+        yield chunk(i, {"content": "" if tools else piece}, logprobs=lps, token_ids=ts,
+                    policy_versions=vs)
       elif ev[0] == "end":
         _, i, (c, text, reason), rest = ev
         if i == 0 and log is not None:
@@ -438,9 +439,9 @@ class OpenAIServer:
     chunk = lambda i, text, reason=None, **kw: {**head, "choices": [
         {"index": i, "text": text, "finish_reason": reason, "logprobs": None, **kw}]}
     async for ev in self._follow(jobs, events, s):
-      if ev[0] == "token":
-        _, i, t, _, v, piece = ev
-        yield chunk(i, piece, token_ids=[t], policy_versions=[v])
+      if ev[0] == "tokens":
+        _, i, ts, _, vs, piece = ev
+        yield chunk(i, piece, token_ids=ts, policy_versions=vs)
       elif ev[0] == "end":
         _, i, (c, _, reason), rest = ev
         if i == 0 and log is not None:
@@ -451,6 +452,13 @@ class OpenAIServer:
       else:
         yield R.error_body(ev[1], type_="server_error")
         return
+
+
+def _new_tokens(i: int, row, new: list[tuple[int, str]]) -> tuple:
+  """The "tokens" event of `_follow` for the tokens `new` (LiveText.feed) of `row`."""
+  ks = [k for k, _ in new]
+  return ("tokens", i, [row[0][k] for k in ks], [row[1][k] for k in ks], [row[2][k] for k in ks],
+          "".join(piece for _, piece in new))
 
 
 class _LiveSSE(StreamingResponse):
