@@ -48,6 +48,19 @@ async def answer(client, task):
   return float(r.choices[0].text.strip() == task.data["answer"])
 
 
+async def streamed(client, task):
+  """One streamed chat turn; keeps what the chunks carried."""
+  ids, versions = [], []
+  stream = await client.chat.completions.create(
+      model="any", messages=[{"role": "user", "content": task.prompt}], stream=True)
+  async for chunk in stream:
+    extra = (chunk.choices[0].model_extra or {}) if chunk.choices else {}
+    ids += extra.get("token_ids", [])
+    versions += extra.get("policy_versions", [])
+  SEEN[task.uid] = (ids, versions)
+  return 1.0
+
+
 @pytest.fixture(scope="module")
 def two_policies(tmp_path_factory):
   """A random tiny Qwen2-style model (version 0) and another draw of it (version 1), behind a
@@ -124,6 +137,26 @@ def test_a_weight_update_mid_reply_pauses_and_resumes_the_requests_in_flight(two
   assert switched >= 1
   r1 = SEEN[ep.tasks[firsts.index(0)].uid][0].choices[0].model_extra["policy_versions"]
   assert r1[:4] == [0] * 4 and (len(r1) <= 4 or r1[4] == 1), r1
+
+
+def test_a_streamed_reply_shows_the_update_as_it_happens(two_policies):
+  server, tok, _, params0, params1, holder = two_policies
+  engine = server.engine
+  start = engine.stats["dispatch"]
+  newest = lambda: (1, params1) if engine.stats["dispatch"] >= start + 3 else None
+  budget = Budget(max_prompt_len=LP, max_new_tokens=N, max_total_tokens=64, max_turns=1)
+  loop = AgentLoop(streamed, server, tok, budget, 1, newest=newest)
+  holder["loop"] = loop
+  SEEN.clear()
+  ep = loop.run(params0, [Task("t", "What is 3+4?", {}, "s0")], None, 0, version=0,
+                temperature=1.0)
+  assert not ep.failed.any(), ep.fail_reasons
+  ids, versions = SEEN["s0"]
+  # The recorded turn is exactly what the stream carried, versions included.
+  n = len(ids)
+  assert n == int(ep.mask[0].sum()) and ep.tokens[0, :n].tolist() == ids
+  assert ep.policy_version[0, :n].tolist() == versions
+  assert n > 4 and versions[:4] == [0] * 4 and set(versions[4:]) == {1}, versions
 
 
 def test_without_newest_the_batch_keeps_its_version(two_policies):
