@@ -1,12 +1,14 @@
 """Partial rollouts for agent tasks: a weight update published while an episode's request is being
 decoded pauses the requests in flight, recomputes their KV under the new params and resumes
 them; each token's version says which params made it, its log-prob is that policy's, and the
-trajectory carries exactly the versions the agent was served. In a real run at lag 1 the batch's
-first tokens keep the forced lag and no token is older."""
+trajectory carries exactly the versions the agent was served. In a real run at lag 1 with an
+update forced mid-batch, replies crossed by it carry both versions, the batch's first tokens keep
+the forced lag exactly, no token is older and no episode fails."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -20,6 +22,8 @@ from jaxrl import config as config_lib  # noqa: E402
 from jaxrl.core.types import TrainBatch  # noqa: E402
 from jaxrl.envs.base import Task  # noqa: E402
 from jaxrl.learner.step import StepConfig, completion_logprobs  # noqa: E402
+from jaxrl.pipeline import producer as producer_lib  # noqa: E402
+from jaxrl.rollout import samplers  # noqa: E402
 from jaxrl.rollout.multi_turn import Budget  # noqa: E402
 from jaxrl.run import driver  # noqa: E402
 from jaxrl.serving.agents import AgentLoop  # noqa: E402
@@ -42,9 +46,19 @@ async def two_turns(client, task):
   return 1.0
 
 
+REPLIES: list[list[int]] = []  # per reply of `answer_seen`, the versions it was served
+
+
 async def answer(client, task):
   """One completion of the row's prompt (the built-in `add` rows); reward: the exact answer."""
   r = await client.completions.create(model="policy", prompt=task.prompt, max_tokens=3)
+  return float(r.choices[0].text.strip() == task.data["answer"])
+
+
+async def answer_seen(client, task):
+  """`answer`, keeping each reply's per-token versions."""
+  r = await client.completions.create(model="policy", prompt=task.prompt, max_tokens=3)
+  REPLIES.append(r.choices[0].model_extra["policy_versions"])
   return float(r.choices[0].text.strip() == task.data["answer"])
 
 
@@ -175,16 +189,45 @@ def test_config_accepts_partial_rollouts_for_an_agent_task():
   config_lib.validate(cfg, jax.device_count())
 
 
-@pytest.mark.slow  # a 4-step agent run through the server: ~40 s on 2 busy cores
-def test_an_agent_run_with_partial_rollouts_keeps_the_forced_lag_for_first_tokens(tmp_path):
-  # As for built-in tasks: whether a switch happens mid-batch depends on timing; what holds
-  # always is that the batch's first tokens are exactly min(b, 1) updates old, no token is
-  # older, and no token is newer than the step that trains on it.
+@pytest.mark.slow  # a 4-step agent run through the server: ~100 s on 2 busy cores
+def test_an_agent_run_with_partial_rollouts_switches_mid_reply_and_keeps_first_tokens_exact(
+    tmp_path, monkeypatch):
+  # Lag 1: batch b starts on params b - 1. The switch is made deterministic through the
+  # documented seam `samplers.partial_source`: for batches 1..steps-1 the second call of the
+  # batch's source (the first poll, after the first decode dispatch) waits until the trainer
+  # has published version b, which it does without needing batch b. So every such batch has
+  # replies whose first tokens are version b - 1 and whose later tokens are version b.
   lag, steps = 1, 4
-  cfg = _tiny_cfg(task__name="agent:test_agent_partial:answer", rollout__engine="continuous",
-                  rollout__engine_slots=4, rollout__engine_steps=1,
-                  rollout__partial_rollouts=True, rollout__lag=lag, train__steps=steps)
+  cfg = _tiny_cfg(task__name="agent:test_agent_partial:answer_seen",
+                  rollout__engine="continuous", rollout__engine_slots=8,
+                  rollout__engine_steps=1, rollout__partial_rollouts=True, rollout__lag=lag,
+                  train__steps=steps)
   mesh = config_lib.validate(cfg, jax.device_count())
+  batch = [None]
+  produce = producer_lib.RolloutProducer.produce
+
+  def recording(self, batch_id, params, version):
+    batch[0] = batch_id
+    return produce(self, batch_id, params, version)
+
+  def gated(newest, version, params):
+    calls, b = [], batch[0]
+
+    def source():
+      calls.append(1)
+      if not 1 <= b < steps or len(calls) < 2:
+        return version, params
+      deadline = time.monotonic() + 300
+      while (newest() or (-1, None))[0] <= version:
+        assert time.monotonic() < deadline, f"batch {b}: no params newer than {version}"
+        time.sleep(0.01)
+      return newest()
+
+    return source
+
+  monkeypatch.setattr(producer_lib.RolloutProducer, "produce", recording)
+  monkeypatch.setattr(samplers, "partial_source", gated)
+  REPLIES.clear()
   driver.run(cfg, str(tmp_path / "run"), mesh)
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
           .splitlines()]
@@ -192,7 +235,14 @@ def test_an_agent_run_with_partial_rollouts_keeps_the_forced_lag_for_first_token
   assert [r["batch_id"] for r in rl] == list(range(steps))
   for r in rl:
     want = min(r["batch_id"], lag)
+    # The batch's first tokens keep the forced lag exactly; no token is older, none newer.
     assert r["staleness/first_token/max"] == want, r
     for kind in ("first_token", "last_token", "token_mean"):
       assert 0 <= r[f"staleness/{kind}/min"] <= r[f"staleness/{kind}/max"] <= want, (kind, r)
+    if r["batch_id"] >= 1:  # switched: some rows end on the newest version
+      assert r["staleness/last_token/min"] == 0, r
     assert r.get("env/failed/error", 0) == 0 and r.get("env/failed/timeout", 0) == 0, r
+  # Replies whose decoding the update crossed: the old version, then the new one.
+  crossed = [v for v in REPLIES if len(set(v)) == 2]
+  assert crossed and all(v == sorted(v) and v[-1] - v[0] == 1 for v in crossed), REPLIES[:8]
+  assert len(REPLIES) >= steps * cfg.rollout.num_prompts * cfg.rollout.group_size
