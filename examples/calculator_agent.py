@@ -6,8 +6,10 @@ the reward.
 - `solve`: a calculator-tool agent for a chat model with a tool-call format (Qwen2.5/3,
   Llama 3.1): it offers a `calc` tool, runs every call the model makes and sends the result back,
   for up to `MAX_CALLS` calls, then grades the model's last reply against the answer.
-- `answer`: one completion of the row's prompt, graded by exact match (works with any model,
-  the default run's character-level one included).
+- `answer`: one completion of the row's prompt, graded as `add` grades (`graded`; works with
+  any model, the default run's character-level one included).
+- `tool`: two completions around `calc` for the default run's character-level model: a draft,
+  the tool's result appended as context, the answer (one trajectory; see its docstring).
 """
 
 from __future__ import annotations
