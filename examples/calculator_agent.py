@@ -78,7 +78,8 @@ async def tool(client, task) -> dict[str, float]:
   Turn 2's prompt is token ids: turn 1's prompt and reply exactly as the server returned them
   (`prompt_token_ids`, `token_ids`, the end of sequence included), then the tool's text in the
   run's tokenizer (the character tokenizer over `add`'s alphabet). It extends turn 1 token for
-  token, so the episode is one trajectory: draft and answer trained, the tool's result context."""
+  token, so the episode is one trajectory: draft and answer trained, the tool's result context.
+  It needs `rollout.max_total_tokens=12` (draft, result and answer, up to 4 tokens each)."""
   r1 = (await client.completions.create(model="policy", prompt=task.prompt)).choices[0]
   result = calc(json.dumps({"expr": task.prompt.rstrip("=")}))
   context = list(r1.prompt_token_ids) + list(r1.token_ids) + ADD_TOKENIZER.encode(result + "=")
