@@ -128,6 +128,7 @@ async def counted(client, task):
   return await calculator_agent.answer(client, task)
 
 
+@pytest.mark.slow  # three dev passes, each building a run's parts: 94 s on 2 busy cores
 def test_the_warmups_dev_accuracy_is_the_rows_own_task_unless_asked():
   import jax
 
@@ -150,3 +151,27 @@ def test_the_warmups_dev_accuracy_is_the_rows_own_task_unless_asked():
   assert agent == builtin and CALLS == []
   dev_pass(task__name="agent:test_agent_tool:counted", agent__warmup_through_agent=True)
   assert len(CALLS) == 16  # task.dev_size rows, one sample each
+
+
+def test_every_episode_of_a_batch_runs_at_once_by_default(char_server):
+  """max_concurrency=0: all of a batch's episodes are in flight together (an agent that waits
+  for all six to start finishes), over one connection pool; with a bound of 2 the first four
+  give up waiting (two at a time) before the last two start."""
+  server, tok, params, source, holder = char_server
+  tasks = source.split("val")[:3]
+  started = []
+
+  async def together(client, task):
+    started.append(task.uid)
+    for _ in range(50):
+      if len(started) >= 6:
+        return await calculator_agent.answer(client, task)
+      await asyncio.sleep(0.01)
+    raise RuntimeError(f"only {len(started)} episodes started")
+
+  for bound, failed in ((0, [False] * 6), (2, [True] * 4 + [False] * 2)):
+    started.clear()
+    loop = AgentLoop(together, server, tok, BUDGET, 2, max_concurrency=bound)
+    holder["loop"] = loop
+    ep = loop.run(params, tasks, None, 0, version=0, temperature=1.0)
+    assert ep.failed.tolist() == failed, ep.fail_reasons
