@@ -188,6 +188,10 @@ def _check_model(good: dict[str, Any], problems: list[str]) -> None:
     problems.append(
         f"{PREFIX}model.num_heads: must be divisible by {PREFIX}model.num_kv_heads, got "
         f"{good['model.num_heads']} and {good['model.num_kv_heads']}")
+  if good.get("moe.routing_replay") == "rollout" and good.get("model.num_experts") == 0 \
+      and not good.get("model.hf_path"):
+    problems.append(f"{PREFIX}moe.routing_replay: 'rollout' needs a mixture-of-experts model "
+                    "(model.num_experts > 0); this one is dense")
 
 
 def _check_attention(good: dict[str, Any], backend: str, problems: list[str]) -> None:

@@ -27,6 +27,10 @@ class TrainBatch(NamedTuple):
   # [B, N] bool: completion tokens the model attends to, when they are more than the loss mask
   # (multi-turn rows: environment observations are context but not trained). None = `mask`.
   completion_valid: jax.Array | None = None
+  # [B, N, L, k] int16: mixture-of-experts models, the experts each generated token went to in
+  # every layer in the sampler (-1: none recorded), for routing replay and `moe/routing_mismatch`;
+  # None for a dense model.
+  routing: jax.Array | None = None
 
 
 class TrainState(NamedTuple):

@@ -48,6 +48,9 @@ class PackedBatch(NamedTuple):
   stream: jax.Array  # [B] int32: the stream row b is in
   used: jax.Array  # int32: streams holding a token (a prefix of the S)
   overflow: jax.Array  # int32: units that found no stream (0 when `capacity` is from `capacity`)
+  # [S, W, L, k]: the sampler's experts of each completion token (`TrainBatch.routing`), -1 on
+  # prompt tokens and padding; None without them.
+  routing: jax.Array | None = None
 
 
 def capacity(rows: int, prompt_len: int, new_tokens: int, budget: int, shards: int = 1) -> int:
@@ -97,10 +100,11 @@ def _first_fit(lengths, streams: int, budget: int):
 
 
 def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, budget: int,
-         streams: int) -> PackedBatch:
+         streams: int, routing=None) -> PackedBatch:
   """Packs rows (`prompt_tokens`/`prompt_valid` [B, Lp] left-padded, `tokens` [B, N] with
   `seen` [B, N]: the real completion tokens, trained or not) into `streams` streams of `budget`
-  positions. `group` > 1: every `group` consecutive rows share the first row's prompt."""
+  positions. `group` > 1: every `group` consecutive rows share the first row's prompt.
+  `routing` [B, N, L, k] (or None): the completion tokens' recorded experts, carried along."""
   b, lp = prompt_tokens.shape
   n = tokens.shape[1]
   group = max(int(group), 1)
@@ -158,21 +162,28 @@ def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, 
       first=(u_stream[unit] * budget + u_off[unit] + p - 1).astype(jnp.int32),
       stream=stream.astype(jnp.int32),
       used=(jnp.max(u_stream) + 1).astype(jnp.int32),
-      overflow=overflow)
+      overflow=overflow,
+      routing=None if routing is None else jnp.full(
+          (total, *routing.shape[2:]), -1, routing.dtype).at[slot.reshape(-1)].set(
+              routing.reshape(b * n, *routing.shape[2:]), mode="drop").reshape(
+                  streams, budget, *routing.shape[2:]))
 
 
 def packed_logprobs(model, packed: PackedBatch, k: jax.Array, shards: int, batch, *,
                     with_entropy: bool = True, impl: str | None = None, chunk: int | None = None,
-                    lora_dropout_key: jax.Array | None = None
+                    lora_dropout_key: jax.Array | None = None, replay: bool = False
                     ) -> tuple[jax.Array, jax.Array | None]:
   """`(logp, entropy)` [B, N] of micro-batch `k` (streams `k shards .. (k + 1) shards - 1`) in
   the rows' frame: rows outside the micro-batch get 0 (the step masks them out of its loss).
-  `batch`: the `TrainBatch` that was packed (its completion tokens and temperatures)."""
+  `batch`: the `TrainBatch` that was packed (its completion tokens and temperatures; with its
+  `routing`, the packed experts go to the model, used with `replay`, else compared)."""
   r, w = shards, packed.tokens.shape[1]
   take = lambda x: jax.lax.dynamic_slice_in_dim(x, k * r, r, axis=0)
+  route = {} if packed.routing is None or batch.routing is None else {
+      "routing": jnp.moveaxis(take(packed.routing), 2, 0), "use_routing": replay}
   hidden = model.packed_forward(take(packed.tokens), take(packed.positions),
                                 take(packed.segment), take(packed.shared),
-                                lora_dropout_key=lora_dropout_key)
+                                lora_dropout_key=lora_dropout_key, **route)
   hidden = hidden.reshape(r * w, hidden.shape[-1])
   unembed = model.unembedding().astype(hidden.dtype)
   score = lambda h, t, temp: fused_logprob(h, unembed, t, temperature=temp,

@@ -14,6 +14,7 @@ from jaxrl import config as config_lib
 from jaxrl import losses, parallel
 from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import lora as lora_lib
+from jaxrl.models import moe
 from jaxrl.learner.step import StepConfig, build_train_step, compile_step, make_optimizer
 from jaxrl.core.names import CORRECTION_KEYS
 from jaxrl.core.types import TrainBatch
@@ -52,7 +53,9 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
                     num_microbatches=1 if packing else config_lib.run_microbatches(cfg, shards),
                     shared_prompts=config_lib.shared_prompts(cfg),
                     pack_tokens=cfg.train.microbatch_tokens if packing else 0,
-                    logprob_impl=logprob_impl(cfg), moe_aux_coef=cfg.loss.moe_aux_coef)
+                    logprob_impl=logprob_impl(cfg), moe_aux_coef=cfg.loss.moe_aux_coef,
+                    # absent from configs saved before it
+                    routing_replay=cfg.get("moe", {}).get("routing_replay") == "rollout")
 
 
 def lora_model(parts) -> ModelConfig | None:
@@ -105,13 +108,15 @@ def rl_batch_spec(cfg) -> TrainBatch:
   the data plane hands them to the step (None where the run keeps no such field)."""
   r = cfg.rollout
   b, lp, n = r.num_prompts * r.group_size, r.max_prompt_len, r.max_total_tokens or r.max_new_tokens
-  s = jax.ShapeDtypeStruct
+  s, m = jax.ShapeDtypeStruct, cfg.model
   return TrainBatch(
       prompt_tokens=s((b, lp), jnp.int32), prompt_valid=s((b, lp), jnp.bool_),
       tokens=s((b, n), jnp.int32), mask=s((b, n), jnp.bool_),
       rollout_logprobs=s((b, n), jnp.float32) if r.logprobs else None,
       rewards=s((b,), jnp.float32), group_id=s((b,), jnp.int32),
-      temperature=s((b,), jnp.float32), completion_valid=s((b, n), jnp.bool_))
+      temperature=s((b,), jnp.float32), completion_valid=s((b, n), jnp.bool_),
+      routing=s((b, n, m.num_layers, m.num_experts_per_tok), moe.ROUTING_DTYPE)
+      if m.num_experts else None)
 
 
 class CompileAhead:

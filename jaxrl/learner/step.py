@@ -46,7 +46,7 @@ from jaxrl.models import moe
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import KVCache
 from jaxrl.core.types import TrainBatch, TrainState
-from jaxrl.learner import packing
+from jaxrl.learner import packing, routing
 # The optimizer is built here too (callers import it with the step).
 from jaxrl.learner.optimizer import learning_rate_schedule, make_optimizer  # noqa: F401
 
@@ -84,6 +84,9 @@ class StepConfig:
   # Mixture-of-experts models: the weight of the load-balancing loss (`moe.aux_loss`, logged as
   # `moe/aux_loss` whatever its weight), added per micro-batch divided by `num_microbatches`.
   moe_aux_coef: float = 0.0
+  # Mixture-of-experts models: route the generated tokens to the sampler's experts
+  # (`TrainBatch.routing`) in the policy's forward passes (`learner.routing`).
+  routing_replay: bool = False
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -95,8 +98,8 @@ class StepConfig:
 
 
 def completion_hidden(model, batch: TrainBatch, group: int = 0,
-                      lora_dropout_key: jax.Array | None = None, packed: bool = False
-                      ) -> jax.Array:
+                      lora_dropout_key: jax.Array | None = None, packed: bool = False,
+                      replay: bool = False) -> jax.Array:
   """Final hidden states [B, N, D] that predict each completion token.
 
   `group` > 1: every `group` consecutive rows share one prompt (the first row's is used). The
@@ -105,15 +108,18 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   one packed set of positions instead: `Transformer.grouped_forward`). Same function as the
   per-row pass (each completion token attends to its own prompt and the completion tokens
   before it), with (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over
-  the group. `lora_dropout_key`: the model's LoRA dropout (training only).
+  the group. `lora_dropout_key`: the model's LoRA dropout (training only). `batch.routing`: the
+  sampler's experts of the generated tokens, replayed with `replay` (`learner.routing`).
   """
   kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
   lp = batch.prompt_tokens.shape[1]
+  route = lambda prompt_len=0: {} if batch.routing is None else {
+      "routing": routing.model_routing(batch.routing, prompt_len), "use_routing": replay}
   seen = batch.mask if batch.completion_valid is None else batch.completion_valid
   if group <= 1:
     seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
     valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
-    hidden, _ = model(seq, left_positions(valid), valid, **kw)
+    hidden, _ = model(seq, left_positions(valid), valid, **kw, **route(lp))
     # Position lp - 1 + j holds the state that predicts completion token j.
     return hidden[:, lp - 1 : -1]
   b, n = batch.tokens.shape
@@ -121,7 +127,8 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   prompts, prompt_valid = first(batch.prompt_tokens), first(batch.prompt_valid)
   rep = lambda x, axis=0: jnp.repeat(x, group, axis=axis)
   if packed:
-    prompt_hidden, hidden = model.grouped_forward(prompts, prompt_valid, batch.tokens, seen, **kw)
+    prompt_hidden, hidden = model.grouped_forward(prompts, prompt_valid, batch.tokens, seen, **kw,
+                                                  **route())
     return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
   cache = KVCache.zeros(model.cfg, b // group, lp + n)
   prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache,
@@ -130,7 +137,7 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
   cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
   positions = continuation_positions(prompt_valid, seen, group)
-  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, **kw)
+  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, **kw, **route())
   # The prompt's last state predicts completion token 0; completion state j - 1 predicts j.
   return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
 
@@ -154,15 +161,19 @@ def completion_logprobs(graphdef: nnx.GraphDef, params, batch: TrainBatch, cfg: 
   micro-batch's packed rows instead (`packing.packed_logprobs`). `router_stats`: a list that
   receives a mixture-of-experts model's `moe.RouterStats` of the passes (none for a dense one)."""
   model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
+  if router_stats is None:  # the sampler's experts are the policy's (not a reference's, teacher's)
+    batch = batch._replace(routing=None)
   if packed is not None:
     out = packing.packed_logprobs(model, *packed, batch, with_entropy=with_entropy,
                                   impl=cfg.logprob_impl, chunk=cfg.logprob_chunk,
-                                  lora_dropout_key=lora_dropout_key)
+                                  lora_dropout_key=lora_dropout_key,
+                                  replay=cfg.routing_replay)
     if router_stats is not None:
       router_stats.extend(moe.pop_router_stats(model))
     return out
   hidden = completion_hidden(model, batch, cfg.shared_prompts, lora_dropout_key,
-                             packed=bool(cfg.pack_prompts))
+                             packed=bool(cfg.pack_prompts),
+                             replay=cfg.routing_replay)
   if router_stats is not None:
     router_stats.extend(moe.pop_router_stats(model))
   b, n, d = hidden.shape
@@ -186,8 +197,8 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
                                   lora_dropout_key=key, packed=packed, router_stats=router)
     loss_sum, n = losses.nll(logp, batch.mask)
     loss = loss_sum / jnp.maximum(counts["token_mean"], 1.0)
-    return _with_moe_aux(loss, losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {},
-                                                  {}), router, cfg)
+    stats = losses.stats.Stats({"nll": (loss_sum, n)}, {"loss": loss}, {}, {})
+    return routing.with_moe_terms(loss, stats, router, cfg, False)
   logp, entropy = completion_logprobs(graphdef, params, batch, cfg, lora_dropout_key=key,
                                       packed=packed, router_stats=router)
   if o.entropy_coef == 0:
@@ -207,20 +218,7 @@ def _loss_and_metrics(params, graphdef, batch: TrainBatch, advantages, counts, r
   loss, stats = losses.objective(o, logp, jax.lax.stop_gradient(logp), advantages, batch.mask,
                                  counts, lp_gen=batch.rollout_logprobs, lp_ref=lp_ref,
                                  entropy=entropy, lp_teacher=lp_teacher)
-  return _with_moe_aux(loss, stats, router, cfg)
-
-
-def _with_moe_aux(loss, stats, router: list, cfg: StepConfig):
-  """`(loss, stats)` of a micro-batch plus a mixture-of-experts model's load-balancing loss over
-  `router` (its passes' `moe.RouterStats`), weighted by `cfg.moe_aux_coef` and logged as the
-  mean `moe/aux_loss`; unchanged for a dense model (no statistics)."""
-  if not router:
-    return loss, stats
-  aux = moe.pooled_aux_loss(router)
-  if cfg.moe_aux_coef:
-    loss = loss + cfg.moe_aux_coef / cfg.num_microbatches * aux
-  means = {**stats.means, "moe/aux_loss": (jax.lax.stop_gradient(aux), jnp.ones((), aux.dtype))}
-  return loss, stats._replace(means=means)
+  return routing.with_moe_terms(loss, stats, router, cfg, batch.routing is not None)
 
 
 def _split(x: jax.Array, m: int, group: int = 1) -> jax.Array:
@@ -267,7 +265,8 @@ def _packed_micro_batches(batch: TrainBatch, advantages, cfg: StepConfig, shards
   streams = packing.capacity(b, lp, n, cfg.pack_tokens, shards)
   group = cfg.shared_prompts if b % max(cfg.shared_prompts, 1) == 0 else 0
   packed = packing.pack(batch.prompt_tokens, batch.prompt_valid, batch.tokens, seen,
-                        batch.temperature, group=group, budget=cfg.pack_tokens, streams=streams)
+                        batch.temperature, group=group, budget=cfg.pack_tokens, streams=streams,
+                        routing=batch.routing)
 
   def micro(k):
     in_mb = (packed.stream // shards == k)[:, None]

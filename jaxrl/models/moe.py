@@ -27,6 +27,9 @@ import jax.numpy as jnp
 
 from jaxrl.models.model_config import MOE_DISPATCHES
 
+# Recorded experts per token (routing replay): -1 where none was recorded.
+ROUTING_DTYPE = jnp.int16
+
 
 class RouterStats(NamedTuple):
   """One layer's routing over the valid tokens of a forward pass (stacked [L, ...] over layers)."""
@@ -35,9 +38,12 @@ class RouterStats(NamedTuple):
   probs: jax.Array  # [E] float32: router probabilities summed per expert
   tokens: jax.Array  # [] float32: valid tokens routed
   experts: jax.Array  # [B, T, k] int32: each token's own top-k experts, most probable first
-  # Valid tokens whose own top-k (as a set) differs from the replayed experts (0 without
-  # replay): `routing_mismatch`.
+  # Of the valid tokens with recorded experts (`recorded`, routing replay's input): those whose
+  # own top-k (as a set) differs from the recorded one, and those whose experts used differ
+  # from it (the same without replay, 0 with it): `routing_mismatch`.
   mismatched: jax.Array | float = 0.0
+  recorded: jax.Array | float = 0.0
+  used_mismatched: jax.Array | float = 0.0
 
 
 def resolve_dispatch(choice: str, backend: str | None = None) -> str:
@@ -103,12 +109,14 @@ def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
 
 
 def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None,
-            replay: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+            replay: jax.Array | None = None, use: bool = True) -> tuple[jax.Array, RouterStats]:
   """The experts' MLP of a layer's normed input x [B, T, D] with the layer's weights `p`
   (`router` [D, E], `we_gate`/`we_up` [E, D, F], `we_down` [E, F, D]); `valid` [B, T] (None: all)
-  marks the tokens counted in the statistics. `replay` [B, T, k] (routing replay): each token
-  goes to these experts instead of its own top-k, weighted by this router's probabilities of
-  them (renormalised as `norm_topk_prob` says), so the router still gets its gradient. Returns
+  marks the tokens counted in the statistics. `replay` [B, T, k] (routing replay): recorded
+  experts per token, -1 where none was recorded. With `use`, each token with recorded experts
+  goes to them instead of its own top-k, weighted by this router's probabilities of them
+  (renormalised as `norm_topk_prob` says), so the router still gets its gradient; without,
+  they are only compared with the router's own choice (the statistics). Returns
   ([B, T, D] in x's dtype, RouterStats)."""
   bsz, t, d = x.shape
   e, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -118,14 +126,21 @@ def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None,
   probs, weights, own = route(xf, p["router"], k, cfg.norm_topk_prob)
   experts = own
   w = jnp.ones((n,), jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
-  mismatched = jnp.zeros((), jnp.float32)
+  zero = jnp.zeros((), jnp.float32)
+  mismatched, recorded, used_mismatched = zero, zero, zero
   if replay is not None:
-    experts = replay.reshape(n, k).astype(own.dtype)
-    weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if cfg.norm_topk_prob:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)
-    mismatched = jnp.sum(differs * w)
+    given = replay.reshape(n, k).astype(own.dtype)
+    known = jnp.all(given >= 0, axis=-1)
+    if use:
+      experts = jnp.where(known[:, None], given, own)
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
+      if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    as_set = lambda a: jnp.sort(a, axis=-1)
+    counted = w * known
+    recorded = jnp.sum(counted)
+    mismatched = jnp.sum(jnp.any(as_set(own) != as_set(given), axis=-1) * counted)
+    used_mismatched = jnp.sum(jnp.any(as_set(experts) != as_set(given), axis=-1) * counted)
   flat = experts.reshape(-1)  # [N k]: assignment a is token a // k's choice a % k
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
@@ -138,7 +153,8 @@ def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None,
   out = jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1)
   counts = jnp.zeros((e,), jnp.float32).at[flat].add(jnp.repeat(w, k))
   stats = RouterStats(counts, jnp.sum(probs * w[:, None], axis=0), jnp.sum(w),
-                      own.reshape(bsz, t, k).astype(jnp.int32), mismatched)
+                      own.reshape(bsz, t, k).astype(jnp.int32), mismatched, recorded,
+                      used_mismatched)
   return out.reshape(bsz, t, d).astype(x.dtype), stats
 
 
@@ -153,11 +169,29 @@ def aux_loss(stats: RouterStats, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum(f * prob)
 
 
-def routing_mismatch(stats: RouterStats) -> tuple[jax.Array, jax.Array]:
-  """(overall, per layer [L]) fraction of valid tokens whose own top-k experts differ from the
-  replayed ones, of one forward pass's statistics (stacked [L, ...]); 0 without replay."""
-  per_layer = stats.mismatched / jnp.maximum(stats.tokens, 1.0)
-  return jnp.sum(stats.mismatched) / jnp.maximum(jnp.sum(stats.tokens), 1.0), per_layer
+def routing_mismatch(stats: RouterStats, used: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(overall, per layer [L]) fraction of the valid tokens with recorded experts whose own top-k
+  (`used`: the experts the layer used) differs from the recorded one, as a set, of one forward
+  pass's statistics (stacked [L, ...]); overall pools tokens and layers. 0 without a record."""
+  diff = stats.used_mismatched if used else stats.mismatched
+  per_layer = diff / jnp.maximum(stats.recorded, 1.0)
+  return jnp.sum(diff) / jnp.maximum(jnp.sum(stats.recorded), 1.0), per_layer
+
+
+def recorded_experts(model) -> jax.Array | None:
+  """The experts [L, B, T, k] int16 each token of `model`'s last forward pass went to (the
+  sampler's record for routing replay); None for a dense model. `model` must have been merged
+  inside the trace that called it (`fresh`)."""
+  stats = pop_router_stats(model)
+  return None if not stats else stats[-1].experts.astype(ROUTING_DTYPE)
+
+
+def fresh(model):
+  """A copy of `model` (a `Transformer`) owned by the current trace, so a call inside a loop or
+  `vmap` body can record its router statistics (`recorded_experts`)."""
+  from flax import nnx
+
+  return nnx.merge(*nnx.split(model))
 
 
 def pooled_aux_loss(passes: list[RouterStats]) -> jax.Array:

@@ -139,7 +139,8 @@ class Transformer(nnx.Module):
       layers: tuple[dict, ...] | None = None,  # `layer_weights()`, prepared by the caller
       lora_dropout_key: jax.Array | None = None,
       attend: Callable | None = None,
-      routing: jax.Array | None = None,  # [L, B, T, k] int: experts to replay (MoE only)
+      routing: jax.Array | None = None,  # [L, B, T, k] int: recorded experts (MoE only), -1: none
+      use_routing: bool = True,  # send tokens to `routing` (else only compare it)
   ) -> tuple[jax.Array, KVCache | None]:
     """Returns final hidden states [B, T, D] (after the final norm) and the updated cache.
 
@@ -149,7 +150,8 @@ class Transformer(nnx.Module):
     [B, T, H, Dh] and k, v [B, T, K, Dh] after bias, norm and rotary in, [B, T, H, Dh] out.
     Without a cache the attention is `cfg.attention`'s (`resolve_attention`); with one,
     always the dense `layers.attention`. `routing` (mixture-of-experts models): every layer's
-    experts per token to use instead of the router's own choice (`moe.moe_mlp`'s replay).
+    recorded experts per token, used instead of the router's own choice (`use_routing`) and
+    compared with it in the router statistics (`moe.moe_mlp`'s replay).
     """
     if cache is not None and attend is not None:
       raise ValueError("attend replaces the attention over the tokens; it takes no cache")
@@ -182,7 +184,7 @@ class Transformer(nnx.Module):
     filled = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + T, (B,)) \
         if cache is not None and T == 1 else None
     run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid,
-                routing)
+                routing, use_routing)
 
     # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
     # prefill never take gradients, and their programs stay exactly as they are.
@@ -295,7 +297,8 @@ class Transformer(nnx.Module):
     return x, k_cache, v_cache, stats
 
   def grouped_forward(self, prompts: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
-                      valid: jax.Array, lora_dropout_key: jax.Array | None = None
+                      valid: jax.Array, lora_dropout_key: jax.Array | None = None,
+                      routing: jax.Array | None = None, use_routing: bool = True
                       ) -> tuple[jax.Array, jax.Array]:
     """One pass over N left-padded prompts [N, Lp] and their G = B / N continuations [B, T]
     (rows n G .. n G + G - 1 continue prompt n): returns final hidden states of the prompts
@@ -334,12 +337,18 @@ class Transformer(nnx.Module):
       attend = kernel_attend(seg, packed_positions, shared, impl)
     else:
       attend = self._grouped_dense_attend(prompt_valid, valid)
+    if routing is not None:  # the continuations' [L, B, T, k]; the prompts' own routing
+      routing = jnp.concatenate([jnp.full((cfg.num_layers, n, lp, routing.shape[-1]), -1,
+                                          routing.dtype), routing.reshape(
+                                              cfg.num_layers, n, group * t, -1)], axis=2)
     hidden, _ = self(pack(prompts, tokens), packed_positions, pack(prompt_valid, valid),
-                     lora_dropout_key=lora_dropout_key, attend=attend)
+                     lora_dropout_key=lora_dropout_key, attend=attend, routing=routing,
+                     use_routing=use_routing)
     return hidden[:, :lp], hidden[:, lp:].reshape(b, t, -1)
 
   def packed_forward(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array,
-                     shared: jax.Array, lora_dropout_key: jax.Array | None = None) -> jax.Array:
+                     shared: jax.Array, lora_dropout_key: jax.Array | None = None,
+                     routing: jax.Array | None = None, use_routing: bool = True) -> jax.Array:
     """Final hidden states [B, T, D] of packed rows: several sequences per row, each token with
     its segment (-1: padding), its position in its sequence and whether it is a shared prompt
     key (`jaxrl.kernels.attention`'s mask; `jaxrl.learner.packing` lays rows out so). The
@@ -348,7 +357,7 @@ class Transformer(nnx.Module):
     impl = resolve_attention(self.cfg.attention, length=tokens.shape[1])
     attend = kernel_attend(segment, positions, shared, KERNEL_OF.get(impl, impl))
     hidden, _ = self(tokens, positions, segment >= 0, lora_dropout_key=lora_dropout_key,
-                     attend=attend)
+                     attend=attend, routing=routing, use_routing=use_routing)
     return hidden
 
   def _grouped_dense_attend(self, prompt_valid: jax.Array, valid: jax.Array) -> Callable:
@@ -410,6 +419,7 @@ class _Pass(NamedTuple):
   filled: jax.Array | None = None  # [B] int: decode's slots in use (`cache_index + 1`)
   valid: jax.Array | None = None  # [B, T] bool: real tokens (counted in router statistics)
   routing: jax.Array | None = None  # [L, B, T, k]: experts to replay (`moe.moe_mlp`)
+  use_routing: bool = True  # replay them (else only compare them with the router's own)
 
 
 def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
@@ -462,7 +472,7 @@ def _mlp(run: _Pass, h, p, o, dense):
   h = constrain_rows(h + rows(dense(rows(o.reshape(run.rows, run.length, -1)), "wo")))
   m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
   if cfg.num_experts:
-    y, stats = moe_mlp(m, p, cfg, run.valid, p.get("replay"))
+    y, stats = moe_mlp(m, p, cfg, run.valid, p.get("replay"), run.use_routing)
     return constrain_rows(h + rows(y)), stats
   if "w_gate_up" in p:
     gate, up = jnp.split(dense(m, "w_gate_up"), 2, axis=-1)

@@ -52,9 +52,14 @@ HOST_ROWS = ("turns", "terminated", "truncated", "failed")
 _REWARD_ARRAY = {"reward": "rewards"}
 
 
-def train_fields(cfg) -> tuple[str, ...]:
-  """The data-plane fields the train step reads (`TrainBatch` in field order)."""
-  return tuple(f for f in TrainBatch._fields if f != "rollout_logprobs" or cfg.rollout.logprobs)
+def train_fields(cfg, model_cfg=None) -> tuple[str, ...]:
+  """The data-plane fields the train step reads (`TrainBatch` in field order): the sampler's
+  log-probs when kept, its experts for a mixture-of-experts model (`model_cfg`, the run's
+  `ModelConfig`; None: `cfg.model`'s keys)."""
+  drop = {"rollout_logprobs"} if not cfg.rollout.logprobs else set()
+  if not (model_cfg or cfg.model).num_experts:
+    drop.add("routing")
+  return tuple(f for f in TrainBatch._fields if f not in drop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +185,8 @@ class RolloutProducer:
     cfg = parts.cfg
     self.parts, self.loop, self.share = parts, loop, share
     self.r, self.ds = cfg.rollout, cfg.dynamic_sampling
-    self.fields = train_fields(cfg) + ("policy_version",)  # what a checkpoint keeps of a batch
+    # What a checkpoint keeps of a batch.
+    self.fields = train_fields(cfg, getattr(parts, "model_cfg", None)) + ("policy_version",)
     self.rng = np.random.default_rng([cfg.seed, 2])
     self.key = jax.random.key(cfg.seed)
     self.next_group = 0
@@ -260,7 +266,8 @@ class RolloutProducer:
         mask=ep.mask, rollout_logprobs=ep.logprobs if self.r.logprobs else None,
         rewards=np.nan_to_num(ep.rewards, nan=0.0).astype(np.float32),
         group_id=np.repeat(groups, G).astype(np.int32),
-        temperature=np.full(n, self.r.temperature, np.float32), completion_valid=ep.valid)
+        temperature=np.full(n, self.r.temperature, np.float32), completion_valid=ep.valid,
+        routing=ep.routing)
     arrays = {k: v for k, v in batch._asdict().items() if v is not None}
     arrays["policy_version"] = ep.policy_version
     if place:

@@ -127,6 +127,12 @@ def get_config() -> ConfigDict:
   # product in every matmul) or "merge" (W + scale * A B computed once per published version).
   c.model.lora.rollout = "merge"
 
+  # Mixture-of-experts runs (model.num_experts > 0; docs/moe.md).
+  c.moe = ConfigDict()
+  # Routing replay: "none" (the train step routes every token itself) | "rollout" (generated
+  # tokens go to the experts the sampler chose for them; the router still gets its gradient).
+  c.moe.routing_replay = "none"
+
   # How prompts become tokens with a Hugging Face tokenizer (model.hf_path).
   c.tokenizer = ConfigDict()
   # Render each task prompt as a user message through the model's chat template (with the

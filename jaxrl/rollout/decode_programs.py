@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.models import moe
 from jaxrl.models.model_config import KVCache
 from jaxrl.rollout.slot_state import (DecodeState, DriverFns, Prefix, batch_axis, gather_slots,
                                       get_row, place_cache, put_row, scatter_slots)
@@ -46,7 +47,8 @@ from jaxrl.rollout.static_sampler import eos_tuple, is_eos, pick_tokens
 
 
 def _decode_slots(model, layers, tok, pos, live, cache):
-  """One token per slot, each at its own position and cache index -> (logits [B, V], cache).
+  """One token per slot, each at its own position and cache index -> (logits [B, V], cache,
+  the fed tokens' experts [B, L, k] of a mixture-of-experts model, else None).
 
   The model writes a whole batch at one cache index; vmapping it over slots (a batch of one
   each) gives every slot its own index without touching the model.
@@ -55,10 +57,13 @@ def _decode_slots(model, layers, tok, pos, live, cache):
 
   def one(tok, pos, live, c):
     c = jax.tree.map(jnp.expand_dims, c, axes)
-    hidden, c = model(tok[None, None], pos[None, None], live[None, None], c, pos, layers=layers)
-    return model.logits(hidden[0, 0]), jax.tree.map(jnp.squeeze, c, axes)
+    m = moe.fresh(model) if model.cfg.num_experts else model  # records its routing
+    hidden, c = m(tok[None, None], pos[None, None], live[None, None], c, pos, layers=layers)
+    experts = moe.recorded_experts(m) if model.cfg.num_experts else None
+    return (model.logits(hidden[0, 0]), jax.tree.map(jnp.squeeze, c, axes),
+            None if experts is None else experts[:, 0, 0])
 
-  return jax.vmap(one, in_axes=(0, 0, 0, axes), out_axes=(0, axes))(tok, pos, live, cache)
+  return jax.vmap(one, in_axes=(0, 0, 0, axes), out_axes=(0, axes, 0))(tok, pos, live, cache)
 
 
 class _Core:
@@ -108,7 +113,8 @@ class _Core:
         top_k=set_(state.top_k, top_k), top_p=set_(state.top_p, top_p),
         tokens=set_(state.tokens, jnp.where(first, tok[0], pad_id)),
         logprobs=set_(state.logprobs, jnp.where(first, lp[0], 0.0)),
-        versions=set_(state.versions, jnp.where(first, version, -1)))
+        versions=set_(state.versions, jnp.where(first, version, -1)),
+        routing=None if state.routing is None else set_(state.routing, -1))
 
   def decode(self, model, layers, states: tuple[DecodeState, ...], version, steps, mesh=None
              ) -> tuple[DecodeState, ...]:
@@ -120,7 +126,7 @@ class _Core:
     def one(s: DecodeState) -> DecodeState:
       live = ~s.done
       # Done slots still run (fixed shapes) but feed an invalid token and record nothing.
-      logits, cache = _decode_slots(model, layers, s.last, s.pos, live, s.cache)
+      logits, cache, experts = _decode_slots(model, layers, s.last, s.pos, live, s.cache)
       cache = place_cache(cache, mesh)
       tok, lp = pick_tokens(logits, s.count, s.key, s.temperature, s.top_k, s.top_p,
                             self.fused)
@@ -133,7 +139,10 @@ class _Core:
           done=s.done | (live & (is_eos(tok, self.eos_ids) | (count >= N))), count=count,
           tokens=jnp.where(new, tok[:, None], s.tokens),
           logprobs=jnp.where(new, lp[:, None], s.logprobs),
-          versions=jnp.where(new, version, s.versions))
+          versions=jnp.where(new, version, s.versions),
+          routing=None if experts is None else jnp.where(  # token count - 1 was fed
+              ((jnp.arange(N)[None, :] == s.count[:, None] - 1) & live[:, None])[..., None, None],
+              experts[:, None], s.routing))
 
     going = lambda c: (c[0] < steps) & ~jnp.all(jnp.concatenate([s.done for s in c[1]]))
     states = tuple(s._replace(cache=place_cache(s.cache, mesh)) for s in states)
@@ -174,7 +183,9 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
         key=jax.random.split(jax.random.key(0), B), temperature=jnp.ones((B,), jnp.float32),
         top_k=zeros_i(B), top_p=jnp.ones((B,), jnp.float32),
         tokens=jnp.full((B, N), pad_id, jnp.int32), logprobs=jnp.zeros((B, N), jnp.float32),
-        versions=jnp.full((B, N), -1, jnp.int32))
+        versions=jnp.full((B, N), -1, jnp.int32),
+        routing=jnp.full((B, N, cfg.num_layers, cfg.num_experts_per_tok), -1,
+                         moe.ROUTING_DTYPE) if cfg.num_experts else None)
 
   @functools.partial(jax.jit, static_argnames=("mesh",))
   def prefill(params, tokens: jax.Array, true_length: jax.Array, mesh=None) -> Prefix:
@@ -192,6 +203,15 @@ def make_engine_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
     positions = jnp.broadcast_to(jnp.arange(S), (B, S))
     empty = place_cache(KVCache.zeros(model.cfg, B, S), mesh)
     _, cache = model(state.seq, positions, valid, empty, 0)
+    experts = moe.recorded_experts(model)
+    if experts is not None:
+      # The fed completion tokens' experts under `params` too: token j of a slot sits at cache
+      # slot pos - count + 1 + j, and tokens j < count - 1 have been fed.
+      j = jnp.arange(N)[None, :]
+      at = jnp.clip(state.pos[:, None] - state.count[:, None] + 1 + j, 0, S - 1)  # [B, N]
+      now = jnp.take_along_axis(jnp.moveaxis(experts, 0, 2), at[..., None, None], axis=1)
+      fed = (j < state.count[:, None] - 1) & ~state.done[:, None]
+      state = state._replace(routing=jnp.where(fed[..., None, None], now, state.routing))
     return state._replace(cache=place_cache(cache, mesh))
 
   # The decode state (and with it the KV cache) is donated: each call updates it in place
@@ -279,7 +299,7 @@ def make_driver_fns(graphdef: nnx.GraphDef, *, num_slots: int, max_prompt_len: i
         state = scatter_slots(state, sub, i)
       state = state._replace(cache=place_cache(state.cache, mesh))
     snapshot = (jnp.stack([state.done.astype(jnp.int32), state.count]), state.tokens,
-                state.logprobs, state.versions)
+                state.logprobs, state.versions, state.routing)
     return state, snapshot
 
   return DriverFns(init_pool,

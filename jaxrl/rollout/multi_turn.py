@@ -70,6 +70,9 @@ class Episodes:
   fail_reasons: list[str | None]
   env_calls: int  # environment step() calls made
   env_calls_by_env: dict[str, int]
+  # Mixture-of-experts models: [B, N, L, k] int16 experts of each generated token as the sampler
+  # fed it (routing replay), -1 elsewhere; None for a dense model.
+  routing: np.ndarray | None = None
 
   def select(self, rows) -> Episodes:
     """The episodes of `rows` (indices or a slice), in that order. `env_calls` and
@@ -83,7 +86,8 @@ class Episodes:
         policy_version=self.policy_version[idx], rewards=self.rewards[idx],
         components=pick(self.components), metadata=pick(self.metadata), turns=self.turns[idx],
         terminated=self.terminated[idx], truncated=self.truncated[idx], failed=self.failed[idx],
-        fail_reasons=[self.fail_reasons[i] for i in idx], env_calls=0, env_calls_by_env={})
+        fail_reasons=[self.fail_reasons[i] for i in idx], env_calls=0, env_calls_by_env={},
+        routing=None if self.routing is None else self.routing[idx])
 
   @staticmethod
   def concat(parts: Sequence[Episodes]) -> Episodes:
@@ -109,7 +113,8 @@ class Episodes:
                                "truncated", "failed")},
         components=named("components"), metadata=named("metadata"),
         fail_reasons=[r for p in parts for r in p.fail_reasons],
-        env_calls=sum(p.env_calls for p in parts), env_calls_by_env=calls)
+        env_calls=sum(p.env_calls for p in parts), env_calls_by_env=calls,
+        routing=None if first.routing is None else cat("routing"))
 
   def fail_counts(self) -> dict[str, int]:
     """Failed rows by kind of failure ("error", "timeout"), from `fail_reasons`."""
@@ -186,6 +191,7 @@ class _Rows:
   active: np.ndarray  # [B] bool: the episode goes on
   limit: np.ndarray  # [B]: model turns the row may take
   calls_by_env: dict[str, int]
+  routing: np.ndarray | None = None  # [B, N, L, k] int16, from the first sampler output with it
 
   @classmethod
   def start(cls, rows: list[Task], prompt_ids: list[list[int]], N: int, pad: int,
@@ -218,7 +224,8 @@ class _Rows:
         metadata={k: v.astype(np.float32) for k, v in self.metadata.items()},
         turns=self.turns, terminated=self.terminated,
         truncated=self.truncated & ~self.terminated, failed=failed, fail_reasons=self.reasons,
-        env_calls=sum(self.calls_by_env.values()), env_calls_by_env=self.calls_by_env)
+        env_calls=sum(self.calls_by_env.values()), env_calls_by_env=self.calls_by_env,
+        routing=self.routing)
 
 
 class MultiTurn:
@@ -295,7 +302,11 @@ class MultiTurn:
     N, B, eos_ids = self.budget.max_total_tokens, len(st.rows), set(self.tok.eos_ids)
     tokens, valid, gen, logprobs, pversion, length = (st.tokens, st.valid, st.gen, st.logprobs,
                                                       st.pversion, st.length)
-    o_tokens, o_mask, o_lps = self.fetch((out.tokens, out.mask, out.logprobs))
+    o_tokens, o_mask, o_lps, o_routing = self.fetch(
+        (out.tokens, out.mask, out.logprobs, getattr(out, "routing", None)))
+    if o_routing is not None:
+      if st.routing is None:
+        st.routing = np.full((B, N, *o_routing.shape[2:]), -1, o_routing.dtype)
     # Per-token params versions, when the sampler can switch params mid-generation (partial
     # rollouts); otherwise every token is the batch's version.
     o_versions = getattr(out, "versions", None)
@@ -316,6 +327,8 @@ class MultiTurn:
       valid[r_idx, c_idx] = True
       gen[r_idx, c_idx] = True
       logprobs[r_idx, c_idx] = o_lps[r_idx, offs]
+      if o_routing is not None:
+        st.routing[r_idx, c_idx] = o_routing[r_idx, offs]
       pversion[r_idx, c_idx] = (version if o_versions is None
                                 else np.asarray(o_versions)[r_idx, offs])
       new_ids = o_tokens.tolist()
@@ -329,6 +342,8 @@ class MultiTurn:
         s = slice(length[i], length[i] + len(new))
         tokens[i, s], valid[i, s], gen[i, s] = new, True, True
         logprobs[i, s] = o_lps[i][o_mask[i]][:len(new)]
+        if o_routing is not None:
+          st.routing[i, s] = o_routing[i][o_mask[i]][:len(new)]
         pversion[i, s] = version if o_versions is None else \
             np.asarray(o_versions)[i][o_mask[i]][:len(new)]
         news[int(i)] = new

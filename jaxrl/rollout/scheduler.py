@@ -47,6 +47,9 @@ class EngineOutput(NamedTuple):
   mask: np.ndarray  # [R, N] bool: generated tokens up to and including the first EOS
   lengths: np.ndarray  # [R] int32
   versions: np.ndarray  # [R, N] int32 policy version per token, -1 where mask is False
+  # Mixture-of-experts models: [R, N, L, k] int16 experts of each fed token, -1 where none
+  # (`static_sampler.SampleOutput.routing`); None for a dense model.
+  routing: np.ndarray | None = None
 
 
 class SlotEngine(Protocol):
@@ -132,7 +135,7 @@ class Ended(NamedTuple):
 class PendingCopy:
   """The rows a dispatch finished, copied out while the next dispatch runs."""
 
-  snapshot: tuple  # the dispatch's (done | count [2, B], tokens, logprobs, versions)
+  snapshot: tuple  # the dispatch's (done | count [2, B], tokens, logprobs, versions, routing)
   ended: list[Ended]
 
 
@@ -204,9 +207,12 @@ class Scheduler:
     self.mesh = mesh_of(self.params)
     self.state = engine.init_decode_state(self.params, mesh=self.mesh)
     self.pool = engine.fns.init_pool(self.params, mesh=self.mesh)
+    routing = self.state.routing
     self.out = EngineOutput(np.full((R, N), engine.pad_id, np.int32),
                             np.zeros((R, N), np.float32), np.zeros((R, N), bool),
-                            np.zeros((R,), np.int32), np.full((R, N), -1, np.int32))
+                            np.zeros((R,), np.int32), np.full((R, N), -1, np.int32),
+                            None if routing is None else np.full((R, *routing.shape[1:]), -1,
+                                                                 routing.dtype))
     self.free_slots, self.slot_row = collections.deque(range(B)), {}
     self.slot_length, self.slot_count = [0] * B, [0] * B
     self.free_pool_rows = collections.deque(range(engine.pool_rows))
@@ -300,7 +306,8 @@ class Scheduler:
                                            np.int32(self.version), k, groups=groups,
                                            mesh=self.mesh)
     for x in snapshot:
-      x.copy_to_host_async()
+      if x is not None:
+        x.copy_to_host_async()
     stats["dispatch"] += 1
     stats["compact"] += groups[0][0] < B and groups[0][1] is None
     stats["short"] += groups == ((B, engine.short_window),)
@@ -333,15 +340,20 @@ class Scheduler:
     if self.pending is None:
       return
     out, G = self.out, self.requests.group_size
-    tokens, logprobs, versions = (np.asarray(x) for x in self.pending.snapshot[1:])
+    tokens, logprobs, versions = (np.asarray(x) for x in self.pending.snapshot[1:4])
+    routing = self.pending.snapshot[4]
+    routing = None if routing is None else np.asarray(routing)
     for e in self.pending.ended:
       out.tokens[e.row], out.logprobs[e.row], out.versions[e.row] = (
           tokens[e.slot], logprobs[e.slot], versions[e.slot])
+      if routing is not None:
+        out.routing[e.row] = routing[e.slot]
       out.mask[e.row, :e.length], out.lengths[e.row] = True, e.length
       p = e.row // G
       self.left_in_group[p] -= 1
       if self.left_in_group[p] == 0 and self.on_finish is not None:
-        self.on_finish(p, EngineOutput(*(x[p * G:(p + 1) * G] for x in out)))
+        self.on_finish(p, EngineOutput(*(None if x is None else x[p * G:(p + 1) * G]
+                                         for x in out)))
     self.pending = None
 
   def poll_params(self) -> None:

@@ -46,6 +46,9 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # [B, N] int32, pad_id after the last generated token
   logprobs: jax.Array  # [B, N] float32, 0 after the last generated token
   versions: jax.Array  # [B, N] int32: params version that produced each token, -1 after
+  # Mixture-of-experts models: [B, N, L, k] int16, the experts each token went to when it was
+  # fed (routing replay), -1 where not fed yet; None for a dense model.
+  routing: jax.Array | None = None
 
 
 class DriverFns(NamedTuple):
@@ -78,7 +81,8 @@ def get_row(buf: jax.Array, row: jax.Array) -> jax.Array:
 
 
 # Fields a decode dispatch changes; the rest (request id, key, sampling settings) it only reads.
-_DECODED = ("cache", "seq", "pos", "last", "done", "count", "tokens", "logprobs", "versions")
+_DECODED = ("cache", "seq", "pos", "last", "done", "count", "tokens", "logprobs", "versions",
+            "routing")
 
 
 def gather_slots(state: DecodeState, idx: jax.Array, window: int | None = None) -> DecodeState:

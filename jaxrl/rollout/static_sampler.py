@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models import moe
 from jaxrl.models.logprobs import left_positions, scale_logits, token_logprobs
 from jaxrl.models.model_config import KVCache
 from jaxrl.parallel.sharding import ROLLOUT_ROW_AXES, constrain_kv_cache, mesh_of
@@ -45,6 +46,7 @@ class _DecodeState(NamedTuple):
   tokens: jax.Array  # [B, N]
   logprobs: jax.Array  # [B, N]
   mask: jax.Array  # [B, N]
+  routing: jax.Array | None  # [B, N, L, k] (mixture of experts; None for a dense model)
 
 
 class SampleOutput(NamedTuple):
@@ -52,6 +54,9 @@ class SampleOutput(NamedTuple):
   logprobs: jax.Array  # [B, N] float32, 0 where mask is False
   mask: jax.Array  # [B, N] bool: generated tokens up to and including the first EOS
   lengths: jax.Array  # [B] int32, mask.sum(-1)
+  # Mixture-of-experts models: [B, N, L, k] the experts each generated token went to in every
+  # layer when the sampler fed it (routing replay), -1 where none (the last token, padding).
+  routing: jax.Array | None = None
 
 
 def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -172,6 +177,27 @@ def _pick_separate(logits, keys, temperature, top_k, top_p):
   return tok, token_logprobs(logits, tok, temperature)
 
 
+def _no_routing(cfg, rows: int, n: int) -> jax.Array | None:
+  """[rows, n, L, k] of -1: no token's experts recorded yet (None for a dense model)."""
+  return (jnp.full((rows, n, cfg.num_layers, cfg.num_experts_per_tok), -1, moe.ROUTING_DTYPE)
+          if cfg.num_experts else None)
+
+
+def _feed(model, s: _DecodeState, *args, **kwargs):
+  """`model(*args, **kwargs)` feeding token `s.t - 1` -> (the next logits [B, V], cache, `s`
+  with that token's experts recorded for the rows that fed it: a mixture-of-experts model's
+  routing replay)."""
+  m = model if s.routing is None else moe.fresh(model)  # owned by this trace: it can record
+  hidden, cache = m(*args, **kwargs)
+  logits = model.logits(hidden[:, 0])
+  if s.routing is None:
+    return logits, cache, s
+  fed = jnp.swapaxes(moe.recorded_experts(m)[:, :, 0], 0, 1)  # [B, L, k]
+  at = s.routing[:, s.t - 1]
+  return logits, cache, s._replace(routing=s.routing.at[:, s.t - 1].set(
+      jnp.where(s.done[:, None, None], at, fed)))
+
+
 def make_sampler(
     graphdef: nnx.GraphDef,
     *,
@@ -238,21 +264,21 @@ def make_sampler(
 
     def body(s: _DecodeState) -> _DecodeState:
       # Feed token t-1 into slot Lp + t - 1 at its row's own position, then draw token t.
-      hidden, cache = model(s.last[:, None], (prompt_lens + s.t - 1)[:, None], ~s.done[:, None],
-                            s.cache, Lp + s.t - 1, layers=layers)
-      logits = model.logits(hidden[:, 0])
+      logits, cache, s = _feed(model, s, s.last[:, None], (prompt_lens + s.t - 1)[:, None],
+                               ~s.done[:, None], s.cache, Lp + s.t - 1, layers=layers)
       return emit(s._replace(cache=place(cache, mesh)),
                   *pick_tokens(logits, s.t, request_keys, temperature, top_k, top_p,
                                fused_sampling))
 
     empty = _DecodeState(cache, jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
                          jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
-                         jnp.zeros((B, N), bool))
+                         jnp.zeros((B, N), bool), _no_routing(model.cfg, B, N))
     # Token 0 comes from prefill's logits; the loop draws tokens 1.. until all rows ended.
     s = emit(empty, *pick_tokens(first_logits, 0, request_keys, temperature, top_k, top_p,
                                  fused_sampling))
     s = jax.lax.while_loop(lambda s: (s.t < N) & ~jnp.all(s.done), body, s)
-    return SampleOutput(s.tokens, s.logprobs, s.mask, s.mask.sum(-1).astype(jnp.int32)), s.cache
+    return SampleOutput(s.tokens, s.logprobs, s.mask, s.mask.sum(-1).astype(jnp.int32),
+                        s.routing), s.cache
 
   # The cache is donated and returned: the loop updates prefill's buffer in place instead of
   # first copying it (an undonated input must stay intact).

@@ -132,7 +132,7 @@ class _Steps:
                step: RLStep, state, loop: LoopState, perf: profiling.StepPerf):
     self.parts, self.io, self.feed, self.pipe, self.evaluator = parts, io, feed, pipe, evaluator
     self.rl_step, self.state, self.loop, self.perf = step, state, loop, perf
-    self.fields = train_fields(parts.cfg)
+    self.fields = train_fields(parts.cfg, parts.model_cfg)
     self.stop = feed.stop(io.stop)
     self.timer = metrics_lib.Timer()
     self.stopped_at = self.first_step_s = None

@@ -160,7 +160,7 @@ FORMAT = 1  # the entry layout; a new layout never reads an old one
 RL_ONLY = (
     "name", "run_dir", "log_every", "resume", "overwrite", "debug", "compile_cache",
     "host_malloc_tuning", "checkpoint", "logging", "dynamic_sampling", "advantage", "loss",
-    "rollout_kl", "ref_kl", "distill", "profile", "distributed", "sft.cache",
+    "rollout_kl", "ref_kl", "distill", "profile", "distributed", "sft.cache", "moe",
     "train.steps", "train.learning_rate", "train.warmup_steps", "train.lr_schedule",
     "train.final_lr_frac", "train.weight_decay", "train.max_skipped_updates",
     "train.max_consecutive_skipped",
