@@ -9,6 +9,14 @@ Both programs that can be live at once are counted (`plan_memory`):
   (prompt + completion budget) x layers x 2 x kv heads x head dim x cache dtype) and its prefill
   temporaries.
 
+Mixture-of-experts models (`model.num_experts` > 0, `expert_bytes`): every layer's router and E
+experts replace the dense MLP in the params, their optimizer state and gradients, with the
+experts' axis split over 'fsdp' and their width over 'tensor' where those divide them; the
+activations count each token's k experts' width (k x `moe_intermediate_size`) as the MLP's;
+and the dispatch's own buffers per layer kept (`dispatch`: the sorted token copies in and out of
+the grouped matmuls and the weighted outputs, N k x d_model each in the compute dtype, the
+router's f32 logits and probabilities, N x E each, and three int32 indices per assignment).
+
 `rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
 Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
 
@@ -95,6 +103,13 @@ class PlanInputs:
   param_shards: int
   rollout_param_shards: int
   ref_params: bool
+  # Mixture of experts (0: dense): experts per layer, per token, each one's width, the experts'
+  # parameters (in `params`; router included) and the devices one expert weight is split over.
+  experts: int = 0
+  experts_per_tok: int = 0
+  expert_width: int = 0
+  expert_params: int = 0
+  expert_shards: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +135,19 @@ class MemoryPlan:
     rollout = ", ".join(f"{k} {g(p[k])}" for k in ROLLOUT_PARTS if p.get(k))
     how = ("on other devices (disaggregated): the larger" if not i.colocated else
            f"rollout.lag {i.lag}: both at once" if i.lag else "rollout.lag 0: one at a time")
+    if i.experts:
+      e = expert_bytes(i)
+      train += (f"; of which experts ({i.experts} per layer, {i.experts_per_tok} per token, "
+                f"over {i.expert_shards} device(s)): params {g(e['params'])}, optimizer "
+                f"{g(e['optimizer'])}, gradients {g(e['gradients'])}")
     return (f"memory plan per device ({unit}): train step {g(self.train)} ({train}; remat "
             f"{i.remat}, {i.attention} attention, {i.microbatches} micro-batch(es) of "
             f"{i.positions:,} positions) | sampler {g(self.rollout)} ({rollout}; KV cache "
             f"{i.kv_rows:,} rows x {i.cache_slots:,} slots) | {how}: {g(self.total)}")
 
 
-TRAIN_PARTS = ("params", "optimizer", "gradients", "ref_params", "batches", "activations")
+TRAIN_PARTS = ("params", "optimizer", "gradients", "ref_params", "batches", "activations",
+               "dispatch")
 ROLLOUT_PARTS = ("rollout_params", "kv_cache", "sampler_temps")
 
 
@@ -141,12 +162,36 @@ def param_count(vocab: int, d: int, layers: int, heads: int, kv_heads: int, head
   return vocab * d * (1 if tie_embeddings else 2) + d + layers * per_layer
 
 
+def expert_param_count(d: int, layers: int, experts: int, width: int) -> int:
+  """Parameters of the mixture-of-experts MLPs: per layer a router [d, E] and E SwiGLU experts
+  (gate and up [d, F], down [F, d])."""
+  return layers * (d * experts + 3 * experts * d * width)
+
+
+def expert_bytes(i: PlanInputs) -> dict[str, int]:
+  """Per device, the experts' share of the train step: their params (master dtype, split over
+  `expert_shards`), Adam's two moments and the gradients (twice with micro-batches) of them, and
+  the dispatch buffers of one micro-batch (module docstring): per layer kept for the backward
+  pass (every layer, one with `remat` "full"), positions x (3 k d_model x compute bytes + 2 E x
+  4 + 3 k x 4). All 0 for a dense model or LoRA (the experts stay frozen)."""
+  if not i.experts:
+    return dict.fromkeys(("params", "optimizer", "gradients", "dispatch"), 0)
+  params = i.expert_params * i.param_bytes // i.expert_shards
+  trained = 0 if i.trained_params != i.params else params
+  k = i.experts_per_tok
+  per_layer = i.positions * (3 * k * i.d_model * i.compute_bytes + 2 * i.experts * 4 + 3 * k * 4)
+  kept = 1 if i.remat == "full" else i.layers
+  return {"params": params, "optimizer": 2 * trained,
+          "gradients": trained * (2 if i.microbatches > 1 else 1), "dispatch": kept * per_layer}
+
+
 def activation_bytes(i: PlanInputs) -> int:
   """The train step's temporaries besides the gradients: each layer's kept activations and one
   layer's recomputation (`ACTIVATION_BUFFERS`), or the fused log-prob's vocabulary chunks when
   they are larger (they are not live at the same time on CPU: measured)."""
   kept, layer = ACTIVATION_BUFFERS[i.remat]
-  widths = (i.d_model, (i.heads + 2 * i.kv_heads) * i.head_dim, i.mlp_dim)
+  mlp = i.experts_per_tok * i.expert_width if i.experts else i.mlp_dim  # a token's active width
+  widths = (i.d_model, (i.heads + 2 * i.kv_heads) * i.head_dim, mlp)
   scores = i.attention_pairs * i.heads * 4
 
   def buffers(counts, n: int) -> float:
@@ -159,7 +204,8 @@ def activation_bytes(i: PlanInputs) -> int:
 
 def plan_memory(i: PlanInputs) -> MemoryPlan:
   """The per-device plan of `i` (module docstring)."""
-  params = i.params * i.param_bytes // i.param_shards
+  experts = expert_bytes(i)
+  params = (i.params - i.expert_params) * i.param_bytes // i.param_shards + experts["params"]
   lora = i.trained_params != i.params
   trained = i.trained_params * 4 if lora else params  # LoRA adapters: f32, replicated
   if lora:
@@ -175,6 +221,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
       "batches": i.batch_bytes * (i.lag + 1),
       # The optimizer's update (one params-sized tree) runs after the backward pass.
       "activations": max(activation_bytes(i), trained),
+      "dispatch": experts["dispatch"],
       "rollout_params": copies * i.params * i.rollout_param_bytes // i.rollout_param_shards,
       "kv_cache": kv,
       # Prefill's and decode's temporaries: about one layer's keys and values in flight (x 1.25)
@@ -210,6 +257,7 @@ def _model_dims(good: Mapping[str, Any]) -> dict[str, Any] | None:
   """The model's shape: the config's, or a Hugging Face directory's config.json."""
   keys = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
           "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm")
+  moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
   if good.get("model.hf_path"):
     try:
       hf = hf_files.read_json(os.path.join(good["model.hf_path"], hf_files.MODEL_CONFIG_FILE))
@@ -220,13 +268,14 @@ def _model_dims(good: Mapping[str, Any]) -> dict[str, Any] | None:
                   head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
                   mlp_dim=int(hf["intermediate_size"]),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  qkv_bias="qwen2" in str(hf.get("model_type", "")).lower(), qk_norm=False)
+                  qkv_bias="qwen2" in str(hf.get("model_type", "")).lower(), qk_norm=False,
+                  **{k: int(hf.get(k) or 0) for k in moe_keys})
     except (hf_files.HFTokenizerError, OSError, ValueError, KeyError, TypeError,
             ZeroDivisionError):
       return None
   if not all(f"model.{k}" in good for k in keys):
     return None
-  dims = {k: good[f"model.{k}"] for k in keys}
+  dims = {k: good[f"model.{k}"] for k in keys + moe_keys if f"model.{k}" in good}
   dims["vocab_size"] = dims["vocab_size"] or 256  # the task's character tokenizer: small
   return dims
 
@@ -256,6 +305,11 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"))
   n = param_count(v, d, layers, heads, kv, hd, mlp, dims["tie_embeddings"], dims["qkv_bias"],
                   dims["qk_norm"])
+  e, k, f = (dims.get(x, 0) for x in ("num_experts", "num_experts_per_tok",
+                                      "moe_intermediate_size"))
+  n_experts = expert_param_count(d, layers, e, f) if e else 0
+  if e:  # the experts and router instead of the dense MLP
+    n += n_experts - layers * 3 * d * mlp
   trained = n
   if good["model.lora.rank"]:
     widths = {"q": (d, heads * hd), "k": (d, kv * hd), "v": (d, kv * hd), "o": (heads * hd, d),
@@ -317,7 +371,12 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       prompt_len=lp, lag=good["rollout.lag"], colocated=colocated,
       param_shards=mesh.fsdp * mesh.tensor,
       rollout_param_shards=mesh.fsdp * mesh.tensor if colocated else r_tensor,
-      ref_params=good["ref_kl.coef"] != 0)
+      ref_params=good["ref_kl.coef"] != 0,
+      experts=e, experts_per_tok=k if e else 0, expert_width=f if e else 0,
+      expert_params=n_experts,
+      # `parallel.sharding`: the experts' axis over 'fsdp', their width over 'tensor'.
+      expert_shards=(mesh.fsdp if e and e % mesh.fsdp == 0 else 1)
+      * (mesh.tensor if f and f % mesh.tensor == 0 else 1))
 
 
 def advice(plan: MemoryPlan, good: Mapping[str, Any] | None = None) -> list[str]:
@@ -338,6 +397,8 @@ def advice(plan: MemoryPlan, good: Mapping[str, Any] | None = None) -> list[str]
       "optimizer": ["mesh.fsdp", "model.lora.rank"],
       "gradients": ["mesh.fsdp", "model.lora.rank"],
       "ref_params": ["ref_kl.coef"],
+      "dispatch": ["train.microbatch_tokens" if auto else "train.num_microbatches",
+                   "model.remat", "mesh.data"],
       "batches": ["rollout.num_prompts", "rollout.lag"],
   }
   out: list[str] = []
