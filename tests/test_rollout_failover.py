@@ -139,6 +139,39 @@ def test_a_hung_process_that_wakes_up_is_not_taken_back():
   train.watch.stop()
 
 
+def test_process_0_holds_its_exit_until_the_others_are_done_or_dropped():
+  """With recoverability on JAX's shutdown barrier holds nobody: process 0, which runs the
+  coordination service, must not exit while another process still needs it."""
+  store = Store()
+  train = PeerWatch(store, 0, 3, 0.5, interval_s=0.05, exit=lambda code: None,
+                    report=lambda line: None, droppable=(2,), hold_exit=True).start()
+  rollout = Watched(store, 1, 3, (2,)).start()
+  lost = Watched(store, 2, 3, (2,)).start()
+  time.sleep(0.2)
+  finished = threading.Event()
+  threading.Thread(target=lambda: (train.finish(), finished.set()), daemon=True).start()
+  lost.watch.stop()  # killed: dropped after the timeout
+  time.sleep(1.2)
+  assert not finished.is_set() and train.dropped == {2}  # process 1 still runs
+  rollout.watch.finish()
+  assert finished.wait(3)
+  rollout.watch.stop()
+
+
+def test_listening_late_hears_of_a_process_dropped_before():
+  store = Store()
+  train = PeerWatch(store, 0, 2, 0.5, interval_s=0.05, exit=lambda code: None,
+                    report=lambda line: None, droppable=(1,)).start()
+  rollout = Watched(store, 1, 2, (1,)).start()
+  time.sleep(0.2)
+  rollout.watch.stop()
+  _wait(lambda: train.dropped)
+  heard = []
+  train.listen(lambda q, why: heard.append(q))
+  assert heard == [1]
+  train.stop()
+
+
 def test_a_rollout_process_that_fails_is_dropped():
   store = Store()
   train = Watched(store, 0, 2, (1,), timeout=30).start()

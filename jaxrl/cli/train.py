@@ -159,9 +159,10 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
   mesh = cfg.get("mesh")
   rollout = mesh.get("rollout_processes", "") if isinstance(mesh, ConfigDict) else ""
   try:
-    recoverable = isinstance(rollout, str) and bool(config_lib.schema.process_list(rollout))
+    rollout_ids = config_lib.schema.process_list(rollout) if isinstance(rollout, str) else ()
   except ValueError:
-    recoverable = False
+    rollout_ids = ()
+  recoverable = bool(rollout_ids)
   try:
     how = parallel.distributed.join(*settings, auto=auto, env=os.environ,
                                     peer_timeout_s=peer_timeout_s, recoverable=recoverable)
@@ -170,8 +171,11 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
                     "launcher's variables")
     return
   if how is not None:
-    # A lost or failing process ends every process, named (jaxrl.parallel.peers).
-    parallel.peers.watch(peer_timeout_s, hold_exit=recoverable)
+    # A lost or failing process ends every process, named (jaxrl.parallel.peers), except a
+    # rollout process where process 0 (the coordination service) trains: the run goes on
+    # without it (jaxrl.pipeline.remote.Receiver; Topology.failover).
+    parallel.peers.watch(peer_timeout_s, droppable=() if 0 in rollout_ids else rollout_ids,
+                         hold_exit=recoverable)
     if parallel.distributed.is_main():
       print(f"jaxrl | joined {jax.process_count()} processes ({jax.device_count()} devices) "
             f"through {how}", flush=True)

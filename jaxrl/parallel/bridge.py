@@ -2,10 +2,11 @@
 processes (`mesh.rollout_processes`).
 
 The two sides run different loops (`jaxrl.pipeline.remote`) and launch different programs, each
-on its own devices, except one: publishing a params version, `ParamsBridge`, the only program
-that spans both sides, which both launch once per version in version order (the train side
-right after the step that made it, each rollout process's receiver thread as soon as the train
-side says it is launched). It moves the params shard by shard over a mesh of both sides' devices:
+on its own devices. `ParamsBridge` cuts a params version into blocks and puts them back
+together; a run moves the blocks over TCP (below), so that no program spans both sides and a
+lost rollout process stalls nothing. Its exchange program (`send`/`receive`, and `transfer`
+where one process holds every device: tests and benchmarks) moves them shard by shard over a
+mesh of both sides' devices instead:
 
 1. train side (its own program): every leaf cast to the wire dtype, flattened and concatenated
    into one buffer, cut into T x R blocks (T train devices, R devices of each rollout process),
@@ -18,21 +19,15 @@ side says it is launched). It moves the params shard by shard over a mesh of bot
    puts the columns back in order and lays the leaves out on its rollout mesh by the parameter
    rules, in the samplers' dtype.
 
-Here T is the train devices and R each rollout process's devices: every rollout process gets the
-whole params (it generates on its own). No device or host ever holds the params whole on the way
-(each rollout device receives 1/R of them, then its mesh's own layout decides what it keeps),
-and nothing goes through a host. Rollout rows, metrics-sized host data, go the other way
-through the coordination service's key-value store (`Channel`): small, and host data anyway (the
-data plane's metadata and the rewards are computed on the host), so no device program has to be
-ordered against the publish.
+Every rollout process gets the whole params (it generates on its own). Rollout rows go the other
+way through the coordination service's key-value store (`Channel`): host data anyway.
 
 `VersionServer` and `fetch_version` carry byte strings by version over plain TCP, point to point:
 the transport of params versions that survives a lost rollout process (docs/failures.md,
-"Rollout processes that come and go"), which a run disaggregated across processes uses in place
-of the exchange: the same packing on the train side (step 1, then each train process's rows as
-bytes, `ParamsBridge.host_rows`), served per version by each train process, and the same
-unpacking on each rollout process (step 3, from the rows of every train process,
-`ParamsBridge.from_rows`). No program spans the two sides then.
+"Rollout processes that come and go"), which a run uses in place of the exchange: step 1, then
+each train process's rows as bytes (`ParamsBridge.host_rows`), served per version by each train
+process; each rollout process fetches every train process's rows and runs step 3 on them
+(`ParamsBridge.from_rows`).
 """
 
 from __future__ import annotations

@@ -10,20 +10,26 @@ staleness, metrics, evaluation on the train mesh, checkpoints) is the one-proces
 
 Messages (`jaxrl.parallel.bridge.Channel`, the coordination service): `start` (train -> rollout:
 the first batch to make, the last one, the producer state to resume from), `versions/<q>` (where
-train process q serves params versions, `Versions`), `rows/<b>/<k>/<q>` (rollout process k's part of batch
-b for train process q), `ckpt/<k>/<n>` (checkpoint operation n, for rollout process k,
-`jaxrl.runtime.mirror`), `stop` (a signal reached a rollout process: the train side checkpoints
-and stops), `done` (the train side finished: the rollout processes return).
+train process q serves params versions, `Versions`), `assign/<b>` (which rollout process makes
+each part of batch b, `Receiver.plan`), `redo/<p>/<n>` (the n-th part of a dropped process that
+rollout process p makes again), `rows/<b>/<k>/<q>` (part k of batch b, for train process q),
+`ckpt/<k>/<n>` (mirrored checkpoint operation n, for rollout process k, where process 0
+generates: `jaxrl.runtime.mirror`; where it trains the train processes checkpoint alone), `stop`
+(a signal reached a rollout process: the train side checkpoints and stops), `done` (the train
+side finished: the rollout processes return).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import jax
 import numpy as np
 
 from jaxrl import parallel
+from jaxrl.core.errors import UserError
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides, train_processes
@@ -32,12 +38,14 @@ from jaxrl.pipeline.worker import params_version
 from jaxrl.rollout.precision import cast_first, rollout_dtype
 
 
-def rollout_share(parts, mesh_shape) -> ProcessShare | None:
-  """What this rollout process makes of every batch: with K rollout processes, the k-th run of
-  P / K whole groups (the rows a one-process run gives them, the same keys: `RolloutProducer`
-  with a `ProcessShare`); None with one rollout process, which makes whole batches exactly as one
-  process does."""
-  k, K = rollout_rank(mesh_shape), len(mesh_shape.rollout_processes)
+def rollout_share(parts, mesh_shape, k: int | None = None) -> ProcessShare | None:
+  """Part k of every batch (default: this rollout process's own, its rank): with K rollout
+  processes, the k-th run of P / K whole groups (the rows a one-process run gives them, the same
+  keys: `RolloutProducer` with a `ProcessShare`); None with one rollout process, which makes
+  whole batches exactly as one process does. Any rollout process can make any part: the part is
+  a function of the batch, its groups and the prompt stream's state before the batch."""
+  k = rollout_rank(mesh_shape) if k is None else k
+  K = len(mesh_shape.rollout_processes)
   if K == 1:
     return None
   P, G = parts.cfg.rollout.num_prompts, parts.cfg.rollout.group_size
@@ -189,41 +197,171 @@ def horizon(steps: int, lag: int) -> int:
   return steps - 1 + lag
 
 
-class Receiver:
-  """The train side's producer (see the module docstring): `produce` waits for batch b's parts
-  (one per rollout process) and joins them, `globalize` puts the rows in the data plane;
-  `encode`/`target`/`decode` are the one-process producer's (checkpoints hold the same ring), and
-  `state_dict` is the rollout processes' producer state after the newest batch received (what
-  they resume from: the same on each, since each draws the same prompt stream)."""
+class RolloutProcessesLost(UserError, RuntimeError):
+  """Every rollout process was dropped and none came back in time; the message says what to
+  rerun."""
 
-  def __init__(self, parts, channel: bridge_lib.Channel, rollout_processes: int = 1):
-    self.parts, self.channel, self.K = parts, channel, rollout_processes
+
+class Receiver:
+  """The train side's producer (see the module docstring): `produce` waits for batch b's K parts
+  and joins them, `globalize` puts the rows in the data plane; `encode`/`target`/`decode` are the
+  one-process producer's (checkpoints hold the same ring), and `state_dict` is the rollout
+  processes' producer state after the newest batch received (what they resume from: the same on
+  each, since each draws the same prompt stream).
+
+  Who makes which part (docs/failures.md, "Rollout processes that come and go"): part k of every
+  batch is rollout process k's (in `rollout_processes` order) while it is live. The first train
+  process (`main`) writes each batch's assignment (`assign/<b>`, `plan`) before any of it can be
+  made; a rollout process the run's `PeerWatch` drops (`lost`) has its parts of later batches
+  assigned to the live ones, and its undelivered parts of batches already assigned made again
+  by a live one (`redo/<process>/<n>`), with the same version and prompt stream state, so no
+  batch is lost or reordered. Each part's rows say who made it: `pipeline/groups_made/<process>`
+  per step, and `summary` for the whole run. With every rollout process dropped, a wait for
+  rows ends after `timeout_s` more (`distributed.peer_timeout_s`) with `RolloutProcessesLost`:
+  the run stops, and its rerun resumes from the last checkpoint."""
+
+  def __init__(self, parts, channel: bridge_lib.Channel, rollout_processes=(0,),
+               main: bool = False, say=print, timeout_s: float = 60.0):
+    self.parts, self.channel, self.main, self.say = parts, channel, main, say
+    self.procs = tuple(sorted(rollout_processes))
+    self.K = len(self.procs)
     self.codec = RolloutProducer(parts, None)
     self.remote_state: dict | None = None
     self.should_stop = lambda: False
+    self.live = set(self.procs)
+    self.assigned: dict[int, dict[int, int | None]] = {}  # batch -> part -> its maker (main)
+    self.got: dict[int, set[int]] = {}  # batch -> the parts this process has taken
+    self.orphans: list[tuple[int, int]] = []  # (batch, part) with no live process to make it
+    self.made: dict[int, dict[int, int]] = {}  # maker -> part -> groups
+    self._redos: dict[int, int] = {}  # process -> its redo messages so far
+    self._lock = threading.Lock()
+    self.timeout_s = float(timeout_s)
+    self._none_since: float | None = None  # when the last live rollout process was dropped
 
   def bind_stop(self, should_stop) -> None:
     """The lag pipeline's worker stop test, which the waits for rows poll."""
     self.should_stop = should_stop
 
+  # -- who makes what (the first train process) -----------------------------------------------
+
+  def plan(self, batch_id: int) -> None:
+    """Assigns batch `batch_id`'s parts (main): each to its own rollout process if live, else to
+    the live ones in turn."""
+    with self._lock:
+      live = [q for q in self.procs if q in self.live]
+      parts = {k: q if q in self.live else (live[k % len(live)] if live else None)
+               for k, q in enumerate(self.procs)}
+      self.assigned[batch_id] = parts
+      self.orphans += [(batch_id, k) for k, q in parts.items() if q is None]
+      self.channel.set(f"assign/{batch_id}", json.dumps({str(k): q for k, q in parts.items()}))
+
+  def lost(self, process: int, why: str) -> None:
+    """`PeerWatch`'s report that rollout process `process` was dropped: its undelivered parts
+    go to the live ones (main), and from now on it is assigned nothing."""
+    with self._lock:
+      if process not in self.live:
+        return
+      self.live.discard(process)
+      if not self.live:
+        self._none_since = time.monotonic()
+      moved = 0
+      if self.main:
+        for b, parts in sorted(self.assigned.items()):
+          for k, q in parts.items():
+            if q == process and not self._delivered(b, k):
+              parts[k] = None
+              self.orphans.append((b, k))
+        moved = self._place_orphans()
+    if self.main:
+      live = sorted(self.live)
+      self.say(f"jaxrl | {why}: dropped; {moved} undelivered part(s) of its batches go to "
+               f"rollout process(es) {live}" if live else
+               f"jaxrl | {why}: dropped; no rollout process is left")
+
+  def _none_left(self) -> bool:
+    """No rollout process has been live for `timeout_s`."""
+    with self._lock:
+      return not self.live and self._none_since is not None and \
+          time.monotonic() - self._none_since > self.timeout_s
+
+  def _delivered(self, b: int, k: int) -> bool:
+    if k in self.got.get(b, ()):
+      return True
+    return self.channel.has(f"rows/{b}/{k}/{jax.process_index()}/n")
+
+  def _place_orphans(self) -> int:
+    """Gives every orphaned part to a live process (under the lock); how many it placed."""
+    live = [q for q in self.procs if q in self.live]
+    if not live:
+      return 0
+    placed, self.orphans = self.orphans, []
+    for i, (b, k) in enumerate(placed):
+      q = live[i % len(live)]
+      self.assigned[b][k] = q
+      n = self._redos.get(q, 0)
+      self._redos[q] = n + 1
+      self.channel.set(f"redo/{q}/{n}", json.dumps({"batch": b, "part": k}))
+    return len(placed)
+
+  def summary(self) -> str | None:
+    """Who made how many groups for whom, when any process made another's part; else None."""
+    if all(set(parts) <= {self.procs.index(q)} for q, parts in self.made.items()):
+      return None
+    said = []
+    for q in sorted(self.made):
+      parts = self.made[q]
+      own = parts.get(self.procs.index(q), 0)
+      others = ", ".join(f"{n} for process {self.procs[k]}" for k, n in sorted(parts.items())
+                         if k != self.procs.index(q))
+      said.append(f"process {q}: {sum(parts.values())} ({own} of its own"
+                  f"{', ' + others if others else ''})")
+    return "rollout groups made: " + "; ".join(said)
+
+  # -- the batches ------------------------------------------------------------------------------
+
   def produce(self, batch_id: int, params, version: int) -> RingItem:
     del params
     heads, arrays = [], []
+    G = self.parts.cfg.rollout.group_size
+    made: dict[str, int] = {}
     for k in range(self.K):
-      got, head = bridge_lib.unpack(self.channel.take_bytes(
-          f"rows/{batch_id}/{k}/{jax.process_index()}", self.should_stop))
+      try:
+        got, head = bridge_lib.unpack(self.channel.take_bytes(
+            f"rows/{batch_id}/{k}/{jax.process_index()}",
+            lambda: self.should_stop() or self._none_left()))
+      except bridge_lib.ChannelClosed:
+        if not self._none_left():
+          raise
+        raise RolloutProcessesLost(
+            f"every rollout process ({', '.join(map(str, self.procs))}) was lost and none came "
+            f"back within distributed.peer_timeout_s={self.timeout_s:g} s while the train side "
+            f"waited for batch {batch_id}; rerun the same command on every process to resume "
+            "from the last checkpoint") from None
+      with self._lock:
+        self.got.setdefault(batch_id, set()).add(k)
       if head["submit_version"] != version:
         raise RuntimeError(f"batch {batch_id} was generated with params version "
                            f"{head['submit_version']}, expected {version} (rollout process "
                            f"{head['process']})")
       heads.append(head)
       arrays.append(got)
+      groups = len(head["meta"]["keys"]) // G
+      maker = int(head["process"])
+      made[f"pipeline/groups_made/{maker}"] = made.get(f"pipeline/groups_made/{maker}", 0) + \
+          groups
+      mine = self.made.setdefault(maker, {})
+      mine[k] = mine.get(k, 0) + groups
+    with self._lock:
+      for b in [b for b in self.got if b <= batch_id]:
+        self.got.pop(b)
+        self.assigned.pop(b, None)
     meta, info, counts, took = combine(heads)
-    self.remote_state = heads[0]["producer"]
+    self.remote_state = heads[-1]["producer"]
     # The rows the rollout processes' draws skipped so far (`data/skipped/<reason>`).
-    self.parts.source.skipped.update(heads[0]["skipped"])
+    self.parts.source.skipped.update(heads[-1]["skipped"])
     info["pipeline/generated_from"] = min(h["started_at"] for h in heads)
     info["pipeline/generated_to"] = max(h["finished_at"] for h in heads)
+    info.update(made)
     joined = {f: np.concatenate([a[f] for a in arrays]) for f in arrays[0]}
     return RingItem(meta, version, took, info, counts, local=LocalRows(joined, {}, {}))
 
@@ -257,23 +395,31 @@ class Receiver:
 
 class Sender:
   """The train side's publishing: sends every version the rollout processes will ask for
-  (`first`..`last`, set by `start`; `versions`: how, a `Versions`), then tells them."""
+  (`first`..`last`, set by `start`; `versions`: how, a `Versions`), then tells them. With each
+  version the first train process assigns the batches it lets start (`Receiver.plan`)."""
 
-  def __init__(self, versions: Versions, channel: bridge_lib.Channel, main: bool):
-    self.versions, self.channel, self.main = versions, channel, main
+  def __init__(self, versions: Versions, channel: bridge_lib.Channel, main: bool,
+               receiver: Receiver | None = None):
+    self.versions, self.channel, self.main, self.receiver = versions, channel, main, receiver
     self.first, self.last = 0, -1
+    self.batches, self.lag = range(0), 0
     versions.serve()
 
   def start(self, first_batch: int, last_batch: int, lag: int, producer: dict | None) -> None:
     """Tells the rollout process which batches to make (and from which producer state)."""
     self.first = params_version(first_batch, lag)
     self.last = params_version(last_batch, lag) if last_batch >= first_batch else -1
+    self.batches, self.lag = range(first_batch, last_batch + 1), lag
     if self.main:
       self.channel.set("start", json.dumps({"first_batch": first_batch, "last_batch": last_batch,
                                             "producer": producer}))
 
   def __call__(self, version: int, params) -> None:
     if self.first <= version <= self.last:
+      if self.main and self.receiver is not None:  # the batches this version lets start
+        for b in range(version if version else self.batches.start, version + self.lag + 1):
+          if b in self.batches and params_version(b, self.lag) == version:
+            self.receiver.plan(b)
       self.versions.send(version, params)
     return None
 

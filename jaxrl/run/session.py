@@ -48,8 +48,11 @@ class Session:
       if jax.process_count() > 1:  # process 0 has moved a previous run aside
         multihost_utils.sync_global_devices("jaxrl-run-dir")
       self.own_dir = checkpoint.checkpoint_dir(self.run_dir)
-      self.ckpt = checkpoint.Checkpointer(self.own_dir, keep=cfg.checkpoint.keep,
-                                          async_save=cfg.checkpoint.async_save)
+      # A rollout process holds nothing to checkpoint; it takes part in the mirrored ones.
+      if not (self.topology.generates_only and self.topology.failover):
+        self.ckpt = checkpoint.Checkpointer(self.own_dir, keep=cfg.checkpoint.keep,
+                                            async_save=cfg.checkpoint.async_save,
+                                            processes=self.topology.checkpoint_processes)
     except BaseException:
       self.close()
       raise

@@ -26,6 +26,7 @@ the exchange itself does the same (`remote.Versions`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -127,6 +128,9 @@ class RemotePublisher:
 
   def close(self) -> None:
     self.sender.done()
+    said = self.receiver.summary()
+    if said is not None and self.sender.main:
+      print(f"jaxrl | {said}", flush=True)
 
 
 @dataclasses.dataclass
@@ -185,18 +189,35 @@ class Topology:
       parallel.distributed.set_group(devices_lib.train_processes(self.mesh_shape))
       remote.new_run()
 
+  @property
+  def failover(self) -> bool:
+    """Across processes with process 0 (the coordination service) a train process: the rollout
+    processes may be lost without ending the run (docs/failures.md), and the train processes
+    checkpoint alone."""
+    return self.across and 0 not in self.mesh_shape.rollout_processes
+
+  @property
+  def checkpoint_processes(self) -> tuple[int, ...] | None:
+    """The processes that checkpoint (None: all of them): with `failover`, the train processes
+    alone (the rollout processes hold none of the state, and a save must not wait for one that
+    is lost)."""
+    return devices_lib.train_processes(self.mesh_shape) if self.failover else None
+
   def checkpointer(self, ckpt, main: bool):
-    """The train side's checkpointer: across processes every checkpoint also runs on the rollout
-    processes (`jaxrl.runtime.mirror`), which hold none of the state."""
-    if not self.across:
+    """The train side's checkpointer: across processes without `failover` (process 0
+    generates), every checkpoint also runs on the rollout processes (`jaxrl.runtime.mirror`),
+    which hold none of the state. (With one train process other than process 0 the train side
+    cannot save alone: Orbax writes an array held whole by one process of several only from
+    process 0.)"""
+    if not self.across or self.failover:
       return ckpt
     return mirror.MirroredCheckpointer(ckpt, remote.run_channel(), self.union(), main,
                                        len(self.mesh_shape.rollout_processes))
 
   def union(self):
-    """The mesh of both sides every checkpoint runs over (across processes). Also sets Orbax to
-    write each array's first replica only, which every process must do before the first
-    checkpoint (`jaxrl.runtime.mirror`)."""
+    """The mesh of both sides every mirrored checkpoint runs over. Also sets Orbax to write
+    each array's first replica only, which every process must do before the first checkpoint
+    (`jaxrl.runtime.mirror`)."""
     mirror.use_first_replica_writes()
     return mirror.union_mesh(devices_lib.train_mesh(self.mesh_shape),
                              devices_lib.rollout_groups(self.mesh_shape))
@@ -211,8 +232,12 @@ class Topology:
     if self.across:
       channel = remote.run_channel()
       versions = remote.Versions(parts, self.mesh_shape, params, channel)
-      sender = remote.Sender(versions, channel, main)
-      producer = remote.Receiver(parts, sender.channel, versions.K)
+      producer = remote.Receiver(parts, channel, self.mesh_shape.rollout_processes, main,
+                                 functools.partial(print, flush=True),
+                                 parts.cfg.distributed.peer_timeout_s)
+      sender = remote.Sender(versions, channel, main, producer)
+      if parallel.peers.WATCH is not None:  # a dropped rollout process's parts move on
+        parallel.peers.WATCH.listen(producer.lost)
       # A signal that reaches a rollout process is said on the channel (`jaxrl.run.actor`).
       return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
                   inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora,

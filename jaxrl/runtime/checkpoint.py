@@ -147,7 +147,8 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, processes: tuple[int, ...] | None = None):
+    """`processes`: the processes that save and restore (None: all); the others make no calls."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise ValueError(f"checkpoint keep must be an int >= 1, got {keep!r}")
     self.directory = _abs(directory)
@@ -155,14 +156,25 @@ class Checkpointer:
     self.read_only = read_only
     self.save_bytes = 0  # the arrays and host JSON of the last save: what a save needs on disk
     quiet.install()  # Orbax's threads repeat a failure this class reports (jaxrl.runtime.quiet)
+    some = {}
+    # Process 0 saving alone among several holds every array whole, which Orbax refuses to write
+    # as a jax.Array: it saves their host copies (Orbax writes numpy arrays from process 0 only).
+    self._host_copies = processes is not None and jax.process_count() > 1 and len(processes) == 1
+    if self._host_copies and tuple(processes) != (0,):
+      raise ValueError(f"process {processes[0]} cannot save alone: only process 0 can")
+    if processes is not None:
+      os.makedirs(self.directory, exist_ok=True)  # Orbax does not, for some of the processes
+      some = {"multiprocessing_options": ocp.options.MultiprocessingOptions(
+          primary_host=min(processes), active_processes=set(processes))}
     if read_only:
       # Reading another run's checkpoints: no tmp cleanup (its save may be in flight), no pruning.
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
-                                             save_interval_steps=0)
+                                             save_interval_steps=0, **some)
     else:
-      options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1, create=True,
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
+                                             create=processes is None,
                                              cleanup_tmp_directories=True,
-                                             enable_async_checkpointing=async_save)
+                                             enable_async_checkpointing=async_save, **some)
     self._mngr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
 
   def __enter__(self) -> Checkpointer:
@@ -203,6 +215,8 @@ class Checkpointer:
         self._mngr.delete(s)
     self.save_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + \
         len(json.dumps(host))
+    if self._host_copies:
+      state = jax.device_get(state)
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
     try:
       return bool(self._mngr.save(
