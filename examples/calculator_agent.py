@@ -67,6 +67,19 @@ async def answer(client, task) -> float:
   return graded(r.choices[0], task.data["answer"])
 
 
+async def lookup(client, task) -> float:
+  """One completion whose prompt the tool wrote, for the default run's character-level model:
+  the agent runs `calc` on the row's expression first and, when the value v has at most two
+  digits, asks the model `f"{v:02d}+00="` (an `add` prompt whose answer is the tool's result,
+  copied) instead of the row's own prompt; a larger value leaves the row's prompt as it is. The
+  reply is graded as `add` grades. Using the tool's output is what the model learns: to copy
+  the first operand of `v+00`."""
+  value = int(calc(json.dumps({"expr": task.prompt.rstrip("=")})))
+  prompt = f"{value:02d}+00=" if value < 100 else task.prompt
+  r = await client.completions.create(model="policy", prompt=prompt)
+  return graded(r.choices[0], task.data["answer"])
+
+
 async def tool(client, task) -> dict[str, float]:
   """Two turns over the completions API around the `calc` tool, for the default run's
   character-level model. Turn 1: the model drafts an answer to the row's prompt ("07+35=").

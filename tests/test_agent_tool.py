@@ -62,6 +62,15 @@ def test_tool_appends_the_calculators_result_and_grades_the_second_turn():
   assert value == {"correct": 0.0, "digits": pytest.approx(0.05)}
 
 
+def test_lookup_asks_the_tools_result_as_an_add_prompt():
+  assert _play(calculator_agent.lookup, [("42", "stop")]) == (1.0, ["42+00="])
+  client = types.SimpleNamespace(completions=_Completions([("122", "stop")]))
+  task = types.SimpleNamespace(prompt="57+65=", data={"answer": "122"})
+  # 122 has three digits: no two-digit operand holds it, so the row's own prompt is asked.
+  assert asyncio.run(calculator_agent.lookup(client, task)) == 1.0
+  assert client.completions.prompts == ["57+65="]
+
+
 @pytest.fixture(scope="module")
 def char_server():
   source = AddSource(num_digits=2, seed=0, dev_size=10, val_size=10)
