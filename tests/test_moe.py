@@ -247,3 +247,30 @@ def test_routing_replay(scan):
 
   grad = jax.grad(lambda p: jnp.sum(forward(p, other)[0] ** 2))(params)
   assert float(jnp.abs(grad["router"][...]).max()) > 0
+
+
+def test_capacity_factor_drops_the_later_tokens():
+  """All 6 tokens routed to experts {0, 1} (a router that prefers them), k = 2 of 8: each of
+  experts 0 and 1 gets 6 assignments. Capacity ceil(1.0 x 6 x 2 / 8) = 2: tokens 0 and 1 keep
+  both experts, tokens 2..5 lose both (8 of 12 assignments dropped, and their output is 0);
+  factor 4.0: ceil(4 x 12 / 8) = 6, nothing dropped; 0 (dropless) never drops."""
+  cfg = tiny(num_experts_per_tok=2)
+  x = jax.random.normal(jax.random.key(0), (1, 6, cfg.d_model))
+  k = jax.random.split(jax.random.key(1), 3)
+  f = cfg.moe_intermediate_size
+  p = {"router": jnp.zeros((cfg.d_model, 8)),
+       "we_gate": jax.random.normal(k[0], (8, cfg.d_model, f)),
+       "we_up": jax.random.normal(k[1], (8, cfg.d_model, f)),
+       "we_down": jax.random.normal(k[2], (8, f, cfg.d_model))}
+  # Router logits: experts 0 and 1 at +10 for every token (a bias through a constant input).
+  x = x.at[..., 0].set(1.0)
+  p["router"] = p["router"].at[0, :2].set(10.0).at[1:, :].set(0.0)
+  out = {}
+  for factor in (0.0, 1.0, 4.0):
+    c = dataclasses.replace(cfg, moe_capacity_factor=factor)
+    out[factor], stats = moe.moe_mlp(x, p, c, None)
+    assert float(stats.dropped) == {0.0: 0, 1.0: 8, 4.0: 0}[factor]
+  np.testing.assert_array_equal(out[4.0], out[0.0])
+  np.testing.assert_array_equal(out[1.0][0, :2], out[0.0][0, :2])
+  assert float(jnp.abs(out[1.0][0, 2:]).max()) == 0.0
+  assert float(jnp.abs(out[0.0][0, 2:]).min()) > 0.0

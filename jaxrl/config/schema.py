@@ -159,6 +159,7 @@ RULES: list[tuple[str, Rule]] = [
     ("model.moe_intermediate_size", _ge(1)),
     ("model.moe_dispatch", _one_of(MOE_DISPATCHES)),
     ("moe.routing_replay", _one_of(("none", "rollout"))),
+    ("model.moe_capacity_factor", _ge(0)),
     ("model.head_dim", (lambda v: v % 2 == 0, "even (RoPE rotates pairs of dims)")),
     ("model.rope_theta", _gt(0)),
     ("model.rms_eps", _gt(0)),

@@ -49,7 +49,8 @@ def mismatch_means(router: list[moe.RouterStats]) -> dict:
 def with_moe_terms(loss, stats, router: list, cfg, recorded: bool):
   """`(loss, stats)` of a micro-batch plus a mixture-of-experts model's load-balancing loss over
   `router` (its passes' `moe.RouterStats`), weighted by `cfg.moe_aux_coef` and logged as the
-  mean `moe/aux_loss`, and with `recorded` (the batch carries the sampler's experts) the
+  mean `moe/aux_loss`, the fraction of assignments the capacity dropped (`moe/dropped`), and
+  with `recorded` (the batch carries the sampler's experts) the
   routing-replay metrics (`mismatch_means`); unchanged for a dense model (no statistics)."""
   if not router:
     return loss, stats
@@ -57,6 +58,10 @@ def with_moe_terms(loss, stats, router: list, cfg, recorded: bool):
   if cfg.moe_aux_coef:
     loss = loss + cfg.moe_aux_coef / cfg.num_microbatches * aux
   means = {**stats.means, "moe/aux_loss": (jax.lax.stop_gradient(aux), jnp.ones((), aux.dtype))}
+  # Assignments the capacity dropped, per valid token-expert assignment (0 when dropless).
+  k = router[0].experts.shape[-1]
+  means["moe/dropped"] = (sum(jnp.sum(s.dropped) for s in router),
+                          k * sum(jnp.sum(s.tokens) for s in router))
   if recorded:
     means.update(mismatch_means(router))
   return loss, stats._replace(means=means)

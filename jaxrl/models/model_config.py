@@ -170,6 +170,9 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True
   moe_dispatch: str = "auto"
+  # > 0: each expert takes at most ceil(factor x tokens x k / E) of a forward pass's token-expert
+  # assignments, the later tokens' beyond that dropped (they skip that expert); 0: dropless.
+  moe_capacity_factor: float = 0.0
 
   def __post_init__(self):
     # Checked here, not at trace time: a typo in `rope_scaling` would otherwise quietly mean
@@ -188,6 +191,8 @@ class ModelConfig:
         raise ValueError(f"num_experts={self.num_experts} needs 1 <= num_experts_per_tok <= "
                          f"num_experts and moe_intermediate_size >= 1; got "
                          f"{self.num_experts_per_tok}, {self.moe_intermediate_size}")
+      if self.moe_capacity_factor < 0:
+        raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0")
       if self.moe_dispatch not in MOE_DISPATCHES:
         raise ValueError(f"moe_dispatch={self.moe_dispatch!r} is not one of {MOE_DISPATCHES}")
       if self.lora_rank and set(self.lora_targets) & {"gate", "up", "down"}:

@@ -20,6 +20,7 @@ statistics of every layer into the load-balancing loss (the Switch Transformer f
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -44,6 +45,8 @@ class RouterStats(NamedTuple):
   mismatched: jax.Array | float = 0.0
   recorded: jax.Array | float = 0.0
   used_mismatched: jax.Array | float = 0.0
+  # Valid tokens' assignments dropped by the capacity (`moe_capacity_factor`; 0 when dropless).
+  dropped: jax.Array | float = 0.0
 
 
 def resolve_dispatch(choice: str, backend: str | None = None) -> str:
@@ -150,11 +153,19 @@ def moe_mlp(x: jax.Array, p: dict, cfg, valid: jax.Array | None,
   ys = grouped_matmul(jax.nn.silu(gate) * up, p["we_down"], group_sizes, impl)
   back = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
   y = ys[back].reshape(n, k, d)
+  dropped = jnp.zeros((), jnp.float32)
+  if cfg.moe_capacity_factor:
+    # An assignment's rank among its expert's (token order): beyond the capacity it is dropped.
+    cap = math.ceil(cfg.moe_capacity_factor * n * k / e)
+    rank = back - (jnp.cumsum(group_sizes) - group_sizes)[flat]
+    keep = (rank < cap).reshape(n, k)
+    weights = jnp.where(keep, weights, 0.0)
+    dropped = jnp.sum(~keep * w[:, None])
   out = jnp.sum(y * weights.astype(x.dtype)[..., None], axis=1)
   counts = jnp.zeros((e,), jnp.float32).at[flat].add(jnp.repeat(w, k))
   stats = RouterStats(counts, jnp.sum(probs * w[:, None], axis=0), jnp.sum(w),
                       own.reshape(bsz, t, k).astype(jnp.int32), mismatched, recorded,
-                      used_mismatched)
+                      used_mismatched, dropped)
   return out.reshape(bsz, t, d).astype(x.dtype), stats
 
 

@@ -109,6 +109,9 @@ def get_config() -> ConfigDict:
   # The experts' grouped matmul: "auto" (CPU: blocked, else ragged_dot) | "ragged_dot" |
   # "blocked" (whole tiles per expert).
   c.model.moe_dispatch = "auto"
+  # Expert capacity: > 0 caps each expert at ceil(factor x tokens x k / E) assignments per
+  # forward pass, dropping the later tokens' (logged as moe/dropped); 0 = dropless.
+  c.model.moe_capacity_factor = 0.0
   # LoRA for the RL phase (rank 0: off, every parameter trains). With a rank, RL trains only
   # low-rank adapters (Flax NNX `nnx.LoRA`, f32) on the `targets` projections of every layer;
   # the base stays frozen, the optimizer holds state for the adapters alone, and a published

@@ -252,7 +252,8 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
     model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat,
                                     attention=cfg.model.attention,
                                     decode_attention=cfg.model.get("decode_attention", "auto"),
-                                    moe_dispatch=cfg.model.get("moe_dispatch", "auto"))
+                                    moe_dispatch=cfg.model.get("moe_dispatch", "auto"),
+                                    moe_capacity_factor=cfg.model.get("moe_capacity_factor", 0.0))
     graphdef, _ = abstract_model(model_cfg)
   else:
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
