@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxrl import parallel
 from jaxrl.data.tokenizer import left_pad
 from jaxrl.envs.agent_task import load_agent  # noqa: F401  (re-exported)
 from jaxrl.envs.base import Task
@@ -250,8 +251,6 @@ def agent_loop(parts, group_size: int, newest=None) -> AgentLoop:
 def _task_loop(parts) -> MultiTurn:
   """The evaluation loop of `agent.task` itself over the agent's rows: the sampler's one pass,
   scored by that task's environment (what the warm-up's stopping rule reads on `dev`)."""
-  from jaxrl import parallel
-
   cfg = parts.cfg
   s = samplers.build_samplers(cfg, parts.rollout_graphdef, parts.tok, parts.rollout_mesh)
   return MultiTurn(parts.tok, {cfg.task.name: make_env(cfg.agent.task)}, parts.budget,

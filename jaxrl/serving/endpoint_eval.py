@@ -48,7 +48,10 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl.core.errors import UserError
+from jaxrl.envs import make_env
+from jaxrl.envs.agent_task import is_agent, load_agent
 from jaxrl.envs.base import Task, Turn, call_step
+from jaxrl.serving.agents import reward_of
 
 
 class EndpointError(UserError):
@@ -329,8 +332,6 @@ async def play_agents(endpoint: Endpoint, fn, rows: list[Row], *, temperature: f
   import httpx
   import openai
 
-  from jaxrl.serving.agents import reward_of
-
   gate = asyncio.Semaphore(concurrency)
 
   async def one(r: Row):
@@ -392,9 +393,6 @@ def evaluate(endpoint: Endpoint, cfg, tasks: list[Task], *, concurrency: int) ->
                                                                                     list[dict]]:
   """Plays `tasks` (the split) through `endpoint` with `cfg`'s evaluation settings -> (the
   `val/*` metrics, one record per row). `endpoint` has been probed."""
-  from jaxrl.envs import make_env
-  from jaxrl.envs.agent_task import is_agent, load_agent
-
   v, r = cfg.val, cfg.rollout
   k, bs = v.samples_per_prompt, v.batch_size
   names = cfg.task.name.split("+")
