@@ -8,7 +8,9 @@ parts and then its share of every later batch, and the run finishes all its step
 step's first-token staleness is exactly min(step - 1, 1), every step's metrics are one colocated
 process's (8 devices) for the same keys (the parts made again are the very rows the lost process
 would have made), the steps after the loss say process 1 made every group, and the run's last
-lines say how many groups it made for process 2.
+lines say how many groups it made for process 2. The same command started again for process 2
+rejoins: it makes its own half of every batch again from at most L + 2 steps after the train
+process took it back.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,15 +44,19 @@ def _rows(path) -> list[dict]:
     return [r for r in map(json.loads, f) if r.get("phase") == "rl"]
 
 
-def _start(run_dir, rollout: str = "1,2", extra=()) -> list[subprocess.Popen]:
-  port = free_port()
-  return [subprocess.Popen(
+def _start(run_dir, rollout: str = "1,2", extra=(), port=None,
+           ranks=(0, 1, 2)) -> list[subprocess.Popen]:
+  port = port or free_port()
+  procs = [subprocess.Popen(
       [sys.executable, "-m", "jaxrl.train", *ARGS, *extra,
        f"--config.mesh.rollout_processes={rollout}",
        f"--config.distributed.peer_timeout_s={PEER_TIMEOUT_S}", f"--config.run_dir={run_dir}"],
       env=_env(4, WORLD_SIZE="3", RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
       cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(3)]
+      for i in ranks]
+  for p in procs:
+    p.args_port = port  # the same command again joins the same run
+  return procs
 
 
 def _wait_rows(run, procs, n: int) -> None:
@@ -142,3 +149,53 @@ def test_every_rollout_process_lost_stops_with_one_line_and_the_rerun_resumes(tm
   assert [r["staleness/first_token/max"] for r in rows] == \
       [min(t - 1, LAG) for t in range(1, STEPS + 1)]
   assert same_metrics(one_process, rows) > 250
+
+
+@pytest.mark.slow
+def test_a_restarted_rollout_process_joins_again(tmp_path):
+  """SIGKILL of rollout process 2, then, once the train process has dropped it, the same
+  command for process 2 again: it joins the run again and makes its own part of every batch
+  from the first one not yet assigned; the run finishes with rc 0 on all three (the new start
+  of process 2 too) and staleness exact at every step."""
+  steps = 80  # room for the new start (about 10 s on 2 cores) before the run ends
+  run = tmp_path / "back"
+  procs = _start(run, extra=[f"--config.train.steps={steps}"])
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(procs[0].stdout), daemon=True)
+  reader.start()
+  _wait_rows(run, procs, 1)
+  procs[2].send_signal(signal.SIGKILL)
+  procs[2].wait()
+  deadline = time.monotonic() + 120
+  while not any("dropped" in ln for ln in lines):
+    assert time.monotonic() < deadline and procs[0].poll() is None, lines
+    time.sleep(0.05)
+  again = _start(run, extra=[f"--config.train.steps={steps}"], port=procs[0].args_port,
+                 ranks=(2,))[0]
+  while not any("started again" in ln for ln in lines):
+    assert time.monotonic() < deadline + 120 and procs[0].poll() is None, lines
+    time.sleep(0.05)
+  rejoined_at = len(_rows(run))  # steps logged when the train process took it back (or more)
+  outs = communicate([procs[1], again], 600)
+  procs[0].wait(timeout=600)
+  reader.join(timeout=10)
+  train = "".join(lines)
+  assert procs[0].returncode == 0, train
+  assert re.search(r"rollout process 2 started again: it makes its part from batch \d+ on",
+                   train), train
+  assert all("Traceback" not in o for o in outs), outs
+  rows = _rows(run)
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  assert [r["staleness/first_token/max"] for r in rows] == \
+      [min(t - 1, LAG) for t in range(1, steps + 1)]
+  assert all(r.get("pipeline/groups_made/1", 0) + r.get("pipeline/groups_made/2", 0) == PROMPTS
+             for r in rows), rows
+  back = [r["step"] for r in rows if r.get("pipeline/groups_made/2") == PROMPTS // 2]
+  alone = [r["step"] for r in rows if r.get("pipeline/groups_made/1") == PROMPTS]
+  assert alone and max(back) == steps and any(b > min(alone) for b in back), rows
+  # Back within two versions: when the train process took it back its newest version v was
+  # at most one past the steps logged (a step publishes, then logs), the batches up to v + L
+  # were assigned, and its first, v + L + 1, is trained at step v + L + 2.
+  again_from = min(b for b in back if b > max(alone))
+  assert again_from <= rejoined_at + 1 + LAG + 2, (again_from, rejoined_at)
+  assert all(r.get("pipeline/groups_made/2") == PROMPTS // 2 for r in rows[again_from - 1:]), rows

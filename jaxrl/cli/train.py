@@ -165,7 +165,8 @@ def _join(cfg: ConfigDict, settings: tuple[str, int, int, int], problems: list[s
   recoverable = bool(rollout_ids)
   try:
     how = parallel.distributed.join(*settings, auto=auto, env=os.environ,
-                                    peer_timeout_s=peer_timeout_s, recoverable=recoverable)
+                                    peer_timeout_s=peer_timeout_s, recoverable=recoverable,
+                                    rollout_processes=rollout_ids)
   except parallel.distributed.EnvError as e:
     problems.append(f"config.distributed.auto: {e}; --config.distributed.auto=false ignores the "
                     "launcher's variables")

@@ -219,6 +219,21 @@ def recover_lost_processes() -> None:
   jax.config.update("jax_enable_recoverability", True)
 
 
+def own_devices_only() -> None:
+  """A rollout process of a run that goes on without it (`Topology.failover`): every program it
+  runs spans its own devices alone, so on CPU it runs them without cross-process collectives
+  (gloo). Set before its devices are made. With gloo, the same command started again for that
+  process (a rejoin) fails at its first program: the rendezvous keys its earlier start wrote in
+  the coordination service's store for the same devices are still there (docs/failures.md)."""
+  jax.config.update("jax_cpu_collectives_implementation", None)
+
+
+def store_barrier(name: str, timeout_s: float = 300.0) -> None:
+  """Every process waits here for every other, through the coordination service (no program,
+  so a process without cross-process collectives, `own_devices_only`, takes part)."""
+  peers.coordination_client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                timeout_s: int = 300, peer_timeout_s: float | None = None) -> None:
   """Joins the processes of a run; a no-op for a single process."""
@@ -256,13 +271,16 @@ def initialize_detected(found: Detected, timeout_s: int = 300,
 
 def join(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300,
          *, auto: bool = False, env: Mapping[str, str] | None = None,
-         peer_timeout_s: float | None = None, recoverable: bool = False) -> str | None:
+         peer_timeout_s: float | None = None, recoverable: bool = False,
+         rollout_processes: tuple[int, ...] = ()) -> str | None:
   """Joins the processes of a run; returns how (for the start-up line), None for one process.
 
   Explicit settings (`num_processes > 1`) win. Otherwise, with `auto` and no
   `coordinator_address`, `detect(env)` decides. `peer_timeout_s`: how long a silent process is
   waited for (`jaxrl.parallel.peers`; JAX's heartbeat timeout is set a margin above it).
-  `recoverable` (a run with `mesh.rollout_processes`): `recover_lost_processes` first.
+  `recoverable` (a run with `mesh.rollout_processes`): `recover_lost_processes` first; and
+  where process 0 trains, a process of `rollout_processes` runs its programs on its own devices
+  alone (`own_devices_only`), so it can be started again.
 
   Raises:
     EnvError: from `detect`, naming the malformed environment variable (nothing is joined).
@@ -271,6 +289,7 @@ def join(coordinator_address: str, num_processes: int, process_id: int, timeout_
     if recoverable:
       recover_lost_processes()
     initialize(coordinator_address, num_processes, process_id, timeout_s, peer_timeout_s)
+    _own_devices_if(recoverable, process_id, rollout_processes)
     return f"distributed.* keys (coordinator {coordinator_address})"
   if not auto or coordinator_address or env is None:
     return None
@@ -280,8 +299,14 @@ def join(coordinator_address: str, num_processes: int, process_id: int, timeout_
   if recoverable:
     recover_lost_processes()
   initialize_detected(found, timeout_s, peer_timeout_s)
+  _own_devices_if(recoverable, found.process_id, rollout_processes)
   where = f"; coordinator {found.coordinator_address}" if found.coordinator_address else ""
   return f"{found.source}{where}"
+
+
+def _own_devices_if(recoverable: bool, process_id: int, rollout_processes) -> None:
+  if recoverable and 0 not in rollout_processes and process_id in rollout_processes:
+    own_devices_only()
 
 
 # The processes that run the training loop together (None: all of them) and the one of them that

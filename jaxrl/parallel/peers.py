@@ -92,6 +92,7 @@ class PeerWatch:
     self._tokens: dict[int, str | None] = {}  # process -> the token of its start last seen
     self._dropped_token: dict[int, str | None] = {}  # process -> its token when dropped
     self._on_lost, self._on_back = on_lost, on_back
+    self.rejoined = False  # this start joined a run an earlier start of this process was in
 
   # --- this process's side -----------------------------------------------------------------------
 
@@ -117,6 +118,10 @@ class PeerWatch:
     for q in lost:  # dropped before anyone listened
       if on_lost is not None:
         on_lost(q, f"lost process {q} of {self.n}")
+
+  def token_of(self, q: int) -> str | None:
+    """The token of process q's start last seen (each start of a process writes its own)."""
+    return self._tokens.get(q)
 
   def finish(self) -> None:
     """This process is done (success, or an error it has reported itself): others stop
@@ -277,9 +282,16 @@ def watch(timeout_s: float, interval_s: float | None = None, *, droppable=(),
   client = coordination_client() if jax.process_count() > 1 else None
   if client is None:
     return None
-  WATCH = PeerWatch(client, jax.process_index(), jax.process_count(), timeout_s,
-                    interval_s, droppable=droppable,
-                    hold_exit=hold_exit and jax.process_index() == 0).start()
+  me = jax.process_index()
+  try:  # an earlier start of this process beat in this run: this one joins it again
+    client.key_value_try_get(f"{KEY}{me}")
+    rejoined = True
+  except Exception:  # noqa: BLE001  (NOT_FOUND)
+    rejoined = False
+  WATCH = PeerWatch(client, me, jax.process_count(), timeout_s, interval_s,
+                    droppable=droppable, hold_exit=hold_exit and me == 0)
+  WATCH.rejoined = rejoined
+  WATCH.start()
   # Registered after JAX's own exit handler, so it runs first: a process that exits normally
   # (also on an error every process meets, e.g. a bad config) is done, not lost.
   atexit.register(WATCH.finish)

@@ -14,7 +14,10 @@ train process q serves params versions, `Versions`), `assign/<b>` (which rollout
 each part of batch b, `Receiver.plan`), `redo/<p>/<n>` (the n-th part of a dropped process that
 rollout process p makes again), `rows/<b>/<k>/<q>` (part k of batch b, for train process q),
 `ckpt/<k>/<n>` (mirrored checkpoint operation n, for rollout process k, where process 0
-generates: `jaxrl.runtime.mirror`; where it trains the train processes checkpoint alone), `stop`
+generates: `jaxrl.runtime.mirror`; where it trains the train processes checkpoint alone),
+`rejoin/<p>/<token>` (the first batch rollout process p makes after it started again, that start
+named by its heartbeat token: `Receiver.back`), `state/<b>` (the prompt stream's state before
+batch b, written by the rollout processes for one that starts again), `stop`
 (a signal reached a rollout process: the train side checkpoints and stops), `done` (the train
 side finished: the rollout processes return).
 """
@@ -237,6 +240,8 @@ class Receiver:
     self._lock = threading.Lock()
     self.timeout_s = float(timeout_s)
     self._none_since: float | None = None  # when the last live rollout process was dropped
+    self.last_planned = -1  # the newest batch assigned (main)
+    self.token_of = lambda q: None  # the token of process q's newest start (`PeerWatch`)
 
   def bind_stop(self, should_stop) -> None:
     """The lag pipeline's worker stop test, which the waits for rows poll."""
@@ -252,6 +257,7 @@ class Receiver:
       parts = {k: q if q in self.live else (live[k % len(live)] if live else None)
                for k, q in enumerate(self.procs)}
       self.assigned[batch_id] = parts
+      self.last_planned = max(self.last_planned, batch_id)
       self.orphans += [(batch_id, k) for k, q in parts.items() if q is None]
       self.channel.set(f"assign/{batch_id}", json.dumps({str(k): q for k, q in parts.items()}))
 
@@ -277,6 +283,24 @@ class Receiver:
       self.say(f"jaxrl | {why}: dropped; {moved} undelivered part(s) of its batches go to "
                f"rollout process(es) {live}" if live else
                f"jaxrl | {why}: dropped; no rollout process is left")
+
+  def back(self, process: int) -> None:
+    """`PeerWatch`'s report that rollout process `process` started again (the same command):
+    it makes its own part again from the first batch not yet assigned (main tells it which,
+    `rejoin/<process>/<its start's token>`; it takes the prompt stream's state before that
+    batch from the others, `state/<b>`)."""
+    with self._lock:
+      if process in self.live:
+        return
+      self.live.add(process)
+      self._none_since = None
+      first = self.last_planned + 1
+      if self.main:
+        self.channel.set(f"rejoin/{process}/{self.token_of(process)}",
+                         json.dumps({"first_batch": first}))
+    if self.main:
+      self.say(f"jaxrl | rollout process {process} started again: it makes its part from "
+               f"batch {first} on")
 
   def _none_left(self) -> bool:
     """No rollout process has been live for `timeout_s`."""

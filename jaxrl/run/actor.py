@@ -24,6 +24,7 @@ import time
 import jax
 import numpy as np
 
+from jaxrl import parallel
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.parallel.sides import rollout_rank, train_processes
@@ -111,8 +112,9 @@ class _Parts:
 
   def reach(self, b: int) -> None:
     """Batch b is next: the state before it is kept (for the last L + 2 batches: the train
-    side has every older one)."""
+    side has every older one), and said (`state/<b>`) for a rollout process that joins again."""
     self.before[b] = self.producer.state_dict()
+    self.channel.set(f"state/{b}", json.dumps(self.before[b]))
     for old in [a for a in self.before if a < b - self.lag - 2]:
       del self.before[old]
 
@@ -168,6 +170,13 @@ def _generate(parts, mesh_shape, progress, channel, versions: Versions, should_s
   handoff = ParamsHandoff()
   producer = RolloutProducer(parts, parts.train_loop(handoff.latest if r.partial_rollouts
                                                      else None), rollout_share(parts, mesh_shape))
+  watch = parallel.peers.WATCH
+  if watch is not None and watch.rejoined:  # started again: from where the train side says
+    me = jax.process_index()
+    first = json.loads(channel.wait(f"rejoin/{me}/{watch.token}", should_stop))["first_batch"]
+    if first <= last:
+      start["producer"] = json.loads(channel.wait(f"state/{first}", should_stop))
+    progress.say(f"rollout process {me} joins the run again from batch {first}")
   if start["producer"] is not None:
     producer.load_state_dict(start["producer"])
   wanted = range(params_version(first, r.lag), params_version(last, r.lag) + 1) \

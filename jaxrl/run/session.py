@@ -45,7 +45,14 @@ class Session:
     self.lock = run_dir_lib.RunDirLock(self.run_dir).acquire() if self.main else None
     try:
       self.start = run_dir_lib.decide(cfg, self.run_dir, self.progress.say, write=self.main)
-      if jax.process_count() > 1:  # process 0 has moved a previous run aside
+      # Process 0 has moved a previous run aside. Where the run goes on without a rollout
+      # process, that process runs no program with the others (`distributed.own_devices_only`),
+      # so all wait in the store; and the same command started again for one (a rejoin) comes
+      # after the others passed this point.
+      if self.topology.failover:
+        if not getattr(parallel.peers.WATCH, "rejoined", False):
+          parallel.distributed.store_barrier("jaxrl-run-dir")
+      elif jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxrl-run-dir")
       self.own_dir = checkpoint.checkpoint_dir(self.run_dir)
       # A rollout process holds nothing to checkpoint; it takes part in the mirrored ones.

@@ -237,7 +237,8 @@ class Topology:
                                  parts.cfg.distributed.peer_timeout_s)
       sender = remote.Sender(versions, channel, main, producer)
       if parallel.peers.WATCH is not None:  # a dropped rollout process's parts move on
-        parallel.peers.WATCH.listen(producer.lost)
+        producer.token_of = parallel.peers.WATCH.token_of
+        parallel.peers.WATCH.listen(producer.lost, producer.back)
       # A signal that reaches a rollout process is said on the channel (`jaxrl.run.actor`).
       return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
                   inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora,
