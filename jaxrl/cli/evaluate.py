@@ -60,8 +60,8 @@ def _finite(x):
 
 def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
   """The evaluation's run config (see the module docstring); raises `UserError`s."""
-  from jaxrl.recipes import default as default_config
   from jaxrl.envs import registry
+  from jaxrl.recipes import default as default_config
 
   if args.config or args.hf or args.endpoint:
     base = config_lib.load_recipe(args.config or DEFAULT_CONFIG)
@@ -185,7 +185,6 @@ def table(summary: dict, k: int) -> str:
 
 def evaluate_endpoint(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
   """`evaluate` through an OpenAI-compatible endpoint (`jaxrl.serving.endpoint_eval`)."""
-  from jaxrl.run.inputs import task_source
   from jaxrl.serving import endpoint_eval
 
   if args.concurrency < 1:
@@ -196,12 +195,7 @@ def evaluate_endpoint(args: argparse.Namespace, overrides: list[str]) -> tuple[d
                                     timeout_s=args.timeout)
   cfg = build_config(args, overrides)
   config_lib.validate(cfg, 1)
-  try:
-    tasks = task_source(cfg).split(args.split)
-  except KeyError as e:
-    raise UserError(f"no split {args.split!r}: {e.args[0]}") from None
-  if not tasks:
-    raise UserError(f"split {args.split!r} of task {cfg.task.name!r} is empty")
+  tasks = _split_rows(cfg, args.split)
   model = endpoint.probe()
   out = args.out or f"eval-endpoint-{cfg.task.name}-{args.split}.json"
   t0 = time.perf_counter()
@@ -212,6 +206,19 @@ def evaluate_endpoint(args: argparse.Namespace, overrides: list[str]) -> tuple[d
           "temperature": cfg.val.temperature, "batch_size": cfg.val.batch_size,
           **summarize(metrics, k, tasks), "time_s": time.perf_counter() - t0,
           "metrics": metrics, "rows": rows}, out
+
+
+def _split_rows(cfg, split: str) -> list:
+  """The rows of `split` of the config's task; a missing or empty split is one line."""
+  from jaxrl.run.inputs import task_source
+
+  try:
+    tasks = task_source(cfg).split(split)
+  except KeyError as e:
+    raise UserError(f"no split {split!r}: {e.args[0]}") from None
+  if not tasks:
+    raise UserError(f"split {split!r} of task {cfg.task.name!r} is empty")
+  return tasks
 
 
 def evaluate(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
@@ -227,17 +234,12 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]
 
   import jax
 
+  from jaxrl.run.parts import build_parts
   from jaxrl.run.validation import Evaluator
-  from jaxrl.run.parts import build_parts, task_source
 
   device_memory = None if jax.default_backend() == "cpu" else 0
   mesh_shape = config_lib.validate(cfg, jax.device_count(), device_memory=device_memory)
-  try:
-    tasks = task_source(cfg).split(args.split)
-  except KeyError as e:
-    raise UserError(f"no split {args.split!r}: {e.args[0]}") from None
-  if not tasks:
-    raise UserError(f"split {args.split!r} of task {cfg.task.name!r} is empty")
+  tasks = _split_rows(cfg, args.split)
   parts, params = build_parts(cfg, mesh_shape)
   tasks = parts.source.split(args.split)  # the rows the pass uses (bad rows skipped)
   if directory is not None:
