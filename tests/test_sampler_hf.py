@@ -133,7 +133,7 @@ def setup(request, tmp_path_factory):
   def sample(key, temperature, top_k=0, top_p=1.0):
     out = gen(params, prompts, valid, jax.random.key(key), np.arange(len(PROMPTS) * G),
               temperature, top_k, top_p)
-    return tuple(np.asarray(x) for x in out)
+    return tuple(np.asarray(x) for x in (out.tokens, out.logprobs, out.mask, out.lengths))
 
   return dict(variant=variant, model=model, uncut=uncut, step_logits=step_logits, eos=eos,
               sample=sample)
