@@ -9,10 +9,13 @@ threads and TensorStore's callbacks to report it again, each with a traceback:
   traceback per pending read or write;
 - Orbax logs each failed background operation at ERROR with its traceback (absl logging);
 - coroutines of the failed operation that never ran are reported as "Exception ignored" when
-  they are collected, at the latest when the process exits.
+  they are collected, at the latest when the process exits;
+- the failed operation's other tasks, whose errors nobody awaited once the first one raised, are
+  logged by asyncio ("Task exception was never retrieved") when they are collected, at a moment
+  the garbage collector picks.
 
 `install()` filters exactly these (the first by its type, message and raising frame, the others
-by the Orbax source file they come from); every other exception, log line and warning passes.
+by the Orbax source file they come from or were raised in); every other exception, log line and warning passes.
 `JAXRL_DEBUG=1` leaves them all on the console.
 """
 
@@ -53,6 +56,24 @@ class _OrbaxErrors(logging.Filter):
     return not (record.levelno >= logging.ERROR and _ORBAX in (record.pathname or ""))
 
 
+def raised_in_orbax(exc_info) -> bool:
+  """An exception whose traceback passes through Orbax's source."""
+  tb = exc_info[2] if isinstance(exc_info, tuple) and len(exc_info) == 3 else None
+  while tb is not None:
+    if _ORBAX in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+class _OrbaxTasks(logging.Filter):
+  """Drops asyncio's reports of Orbax tasks whose errors nobody retrieved (the operation's
+  caller has the first of them and reports it)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and raised_in_orbax(record.exc_info))
+
+
 def install() -> None:
   """Installs the filters (nothing with `JAXRL_DEBUG`). Each hook is wrapped at most once: a
   hook that is already jaxrl's stays; one that something else has put back since (a test
@@ -81,3 +102,6 @@ def install() -> None:
   absl = logging.getLogger("absl")  # Orbax logs through absl's logger
   if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
     absl.addFilter(_OrbaxErrors())
+  tasks = logging.getLogger("asyncio")  # a task's unretrieved error is logged here
+  if not any(isinstance(f, _OrbaxTasks) for f in tasks.filters):
+    tasks.addFilter(_OrbaxTasks())
