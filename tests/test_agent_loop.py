@@ -14,7 +14,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
 from openai_models import CALL_JSON, TOOL_TOKENS, chain, qwen_model, scripted_params  # noqa: E402
+from jaxrl.core.types import TrainBatch  # noqa: E402
 from jaxrl.envs.base import Task  # noqa: E402
+from jaxrl.learner.step import StepConfig, completion_logprobs  # noqa: E402
 from jaxrl.rollout.multi_turn import Budget  # noqa: E402
 from jaxrl.serving.agents import AgentLoop, load_agent, trajectory  # noqa: E402
 from jaxrl.serving.dispatcher import Completion  # noqa: E402
@@ -41,12 +43,15 @@ async def twice(client, task):
 async def with_tool(client, task):
   """A calculator agent: runs the model's tool call and sends the result back."""
   msgs = [{"role": "user", "content": task.prompt}]
-  r = await client.chat.completions.create(model="any", messages=msgs, tools=TOOLS)
+  r = await client.chat.completions.create(model="any", messages=msgs, tools=TOOLS,
+                                           logprobs=True)
   call = r.choices[0].message.tool_calls[0]
   value = eval(json.loads(call.function.arguments)["expr"], {})  # "2+3" from the script
   msgs += [r.choices[0].message.model_dump(exclude_none=True),
            {"role": "tool", "tool_call_id": call.id, "content": str(value)}]
-  await client.chat.completions.create(model="any", messages=msgs, tools=TOOLS)
+  r2 = await client.chat.completions.create(model="any", messages=msgs, tools=TOOLS,
+                                            logprobs=True)
+  SEEN.setdefault(task.uid, []).append([r, r2])
   return float(value == int(task.data["answer"]))
 
 
@@ -77,14 +82,15 @@ def agent_server(tmp_path_factory):
                         params_source=lambda: holder["loop"].serving_source(),
                         warmup=False).start()
   server.engine.warmup(params)
+  holder["graphdef"] = graphdef
   yield server, tok, params, holder
   server.stop()
 
 
-def _loop(agent_server, fn, G=2, **kw):
+def _loop(agent_server, fn, G=2, total=64, **kw):
   server, tok, params, holder = agent_server
   loop = AgentLoop(fn, server, tok, Budget(max_prompt_len=1024, max_new_tokens=8,
-                                           max_total_tokens=64, max_turns=4), G, **kw)
+                                           max_total_tokens=total, max_turns=4), G, **kw)
   holder["loop"] = loop
   return loop
 
@@ -122,16 +128,41 @@ def test_an_episode_is_one_trajectory_of_the_served_tokens(agent_server):
 
 
 def test_a_tool_call_turn_whose_history_re_renders_differently_is_its_own_segment(agent_server):
-  _, tok, params, _ = agent_server
-  ep = _loop(agent_server, with_tool, G=1).run(params, _tasks("5", "6"), None, 0, version=3,
-                                                temperature=1.0)
-  assert not ep.failed.any() and ep.rewards.tolist() == [1.0, 0.0]
+  _, tok, params, holder = agent_server
+  SEEN.clear()
+  # A row budget that holds the second request's whole prompt (the template's tool schema
+  # makes it ~450 tokens).
+  ep = _loop(agent_server, with_tool, G=1, total=512).run(params, _tasks("5", "6"), None, 0,
+                                                           version=3, temperature=1.0)
+  assert not ep.failed.any() and ep.rewards.tolist() == [1.0, 0.0] and not ep.truncated.any()
   # Qwen's template writes a past call as "<tool_call>\n{...}\n</tool_call>", not the tokens the
-  # model wrote: the second request does not extend the first, so it is not appended.
+  # model wrote: the second request does not extend the first, so its whole prompt (context)
+  # and its reply follow in the row as a second causal sequence, exactly as served.
   assert ep.metadata["agent_segments"].tolist() == [2.0, 2.0]
   call = [tok.token_to_id(t) for t in (TOOL_TOKENS[0], CALL_JSON, TOOL_TOKENS[1])]
-  assert ep.tokens[0, :5].tolist() == call + [tok.eos_id, tok.pad_id]
-  assert ep.mask[0].sum() == 4 and (ep.policy_version[0][ep.mask[0]] == 3).all()
+  for i, task in enumerate(ep.tasks):
+    r1, r2 = SEEN[task.uid][0]
+    g1, g2 = (r.choices[0].model_extra["token_ids"] for r in (r1, r2))
+    p1, p2 = (r.model_extra["prompt_token_ids"] for r in (r1, r2))
+    assert g1 == call + [tok.eos_id] and p2[:len(p1) + len(g1)] != p1 + g1
+    n = len(g1) + len(p2) + len(g2)
+    assert ep.tokens[i, :n].tolist() == g1 + p2 + g2 and not ep.valid[i, n:].any()
+    assert ep.mask[i, :n].tolist() == [True] * len(g1) + [False] * len(p2) + [True] * len(g2)
+    assert ep.segment[i, :n].tolist() == [0] * len(g1) + [1] * (len(p2) + len(g2))
+    assert (ep.policy_version[i][ep.mask[i]] == 3).all()
+    served = [t.logprob for r in (r1, r2) for t in r.choices[0].logprobs.content]
+    assert ep.logprobs[i][ep.mask[i]].tolist() == pytest.approx(served, abs=0)
+  # The trainer scores the second sequence as the server did: over its own prompt alone.
+  batch = TrainBatch(ep.prompt_tokens, ep.prompt_valid, ep.tokens, ep.mask, ep.logprobs,
+                     np.zeros(2, np.float32), np.arange(2), np.ones(2, np.float32),
+                     completion_valid=ep.valid, completion_segment=ep.segment)
+  logp, _ = completion_logprobs(holder["graphdef"], params, batch, StepConfig(),
+                                with_entropy=False)
+  assert np.abs(np.asarray(logp)[ep.mask] - ep.logprobs[ep.mask]).max() <= 1e-5
+  # Under a budget too small for it, the row is the first sequence and what fits of the second.
+  cut = _loop(agent_server, with_tool, G=1).run(params, _tasks("5"), None, 0, version=3,
+                                                temperature=1.0)
+  assert cut.truncated.all() and cut.tokens[0].tolist() == ep.tokens[0, :64].tolist()
 
 
 def test_the_calculator_example_runs_its_tool_calls(agent_server):

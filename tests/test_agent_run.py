@@ -66,3 +66,39 @@ def test_an_agent_task_trains_with_exact_forced_lag(tmp_path):
   G = cfg.rollout.group_size
   # Every training episode went through the agent (batches made ahead by the lag included).
   assert len(CALLS) >= steps * cfg.rollout.num_prompts * G
+
+
+REPLIES: list[tuple[int, int]] = []  # (version, token count) of every reply served
+
+
+async def two_sequences(client, task):
+  """Two completions: the row's prompt, then "1" + that prompt, which does not extend the first
+  prompt and reply, so the episode's row holds two causal sequences."""
+  replies = [await client.completions.create(model="policy", prompt=p, max_tokens=3)
+             for p in (task.prompt, "1" + task.prompt)]
+  for r in replies:
+    extra = r.choices[0].model_extra
+    REPLIES.append((extra["policy_versions"][0], len(extra["token_ids"])))
+  return float(replies[1].choices[0].text.strip() == task.data["answer"])
+
+
+@pytest.mark.slow  # a 3-step run through the server: ~30 s on 2 busy cores
+def test_an_agent_episode_of_two_sequences_trains_both(tmp_path):
+  # Lag 0: batch b is served by version b alone, so each step's trained tokens are the replies
+  # stamped b. Were the second sequence dropped (or run as one sequence with the first, whose
+  # loss is the same shape), the count would be the first replies' alone.
+  steps = 3
+  cfg = _tiny_cfg(task__name="agent:test_agent_run:two_sequences", rollout__lag=0,
+                  train__steps=steps, rollout__max_total_tokens=16)
+  mesh = config_lib.validate(cfg, jax.device_count())
+  REPLIES.clear()
+  driver.run(cfg, str(tmp_path / "run"), mesh)
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+          .splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert [r["batch_id"] for r in rl] == list(range(steps))
+  for r in rl:
+    served = [n for v, n in REPLIES if v == r["batch_id"]]
+    assert len(served) == 2 * cfg.rollout.num_prompts * cfg.rollout.group_size
+    assert r["tokens"] == sum(served), (r["tokens"], sum(served[::2]))
+    assert r["env/metadata/agent_segments"] == 2.0

@@ -31,6 +31,12 @@ class TrainBatch(NamedTuple):
   # every layer in the sampler (-1: none recorded), for routing replay and `moe/routing_mismatch`;
   # None for a dense model.
   routing: jax.Array | None = None
+  # [B, N] int32: the causal sequence of each completion token, for rows that hold several (an
+  # agent episode whose later request does not extend the one before, `jaxrl.serving.agents`):
+  # 0 continues the row's prompt; k >= 1 is a later sequence (its own prompt as context, then
+  # its trained reply) that attends only to its own tokens, with positions from 0. Ids never
+  # decrease along a row. None: each row is one sequence.
+  completion_segment: jax.Array | None = None
 
 
 class TrainState(NamedTuple):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxrl.kernels import fused_logprob
 from jaxrl.kernels.attention.reference import UNIT_SHIFT
+from jaxrl.models.logprobs import segment_positions
 
 
 class PackedBatch(NamedTuple):
@@ -100,11 +101,17 @@ def _first_fit(lengths, streams: int, budget: int):
 
 
 def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, budget: int,
-         streams: int, routing=None) -> PackedBatch:
+         streams: int, routing=None, segment=None) -> PackedBatch:
   """Packs rows (`prompt_tokens`/`prompt_valid` [B, Lp] left-padded, `tokens` [B, N] with
   `seen` [B, N]: the real completion tokens, trained or not) into `streams` streams of `budget`
   positions. `group` > 1: every `group` consecutive rows share the first row's prompt.
-  `routing` [B, N, L, k] (or None): the completion tokens' recorded experts, carried along."""
+  `routing` [B, N, L, k] (or None): the completion tokens' recorded experts, carried along.
+  `segment` [B, N] (or None; `TrainBatch.completion_segment`): rows of several causal
+  sequences, packed with no prompt sharing (`group` must be 1 or less): the row's prompt and its
+  sequence 0 are member 1 of the row's unit, sequence k member k + 1, each with positions of its
+  own and no shared key, so a later sequence sees only its own tokens."""
+  if segment is not None and group > 1:
+    raise ValueError(f"rows of several causal sequences share no prompt; got group={group}")
   b, lp = prompt_tokens.shape
   n = tokens.shape[1]
   group = max(int(group), 1)
@@ -126,10 +133,18 @@ def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, 
   in_row = (idx_n[None, :] < need[:, None]) & placed[:, None]
   slot = jnp.where(in_row, row_base[:, None] + idx_n[None, :], total)
   member = i32(jnp.arange(b) - unit_row[unit] + 1)
-  seg_c = jnp.where(seen, ((unit + 1) << UNIT_SHIFT)[:, None] | member[:, None], -1)
-  pos_p = jnp.maximum(jnp.cumsum(i32(prompt_valid), axis=1) - 1, 0)
-  pos_c = jnp.maximum(jnp.sum(i32(prompt_valid), axis=1, keepdims=True)
-                      + jnp.cumsum(i32(seen), axis=1) - 1, 0)
+  unit_id = ((unit + 1) << UNIT_SHIFT)[:, None]
+  if segment is None:
+    seg_c = jnp.where(seen, unit_id | member[:, None], -1)
+    seg_p = jnp.where(prompt_valid, unit_id, -1)
+    pos_p = jnp.maximum(jnp.cumsum(i32(prompt_valid), axis=1) - 1, 0)
+    pos_c = jnp.maximum(jnp.sum(i32(prompt_valid), axis=1, keepdims=True)
+                        + jnp.cumsum(i32(seen), axis=1) - 1, 0)
+  else:
+    seg_c = jnp.where(seen, unit_id | (i32(segment) + 1), -1)
+    seg_p = jnp.where(prompt_valid, unit_id | 1, -1)
+    positions = segment_positions(jnp.concatenate([seg_p, seg_c], axis=1))
+    pos_p, pos_c = positions[:, :lp], positions[:, lp:]
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
   nxt_ok = jnp.concatenate([idx_n[None, 1:] < need[:, None], jnp.zeros((b, 1), bool)], axis=1)
 
@@ -139,7 +154,6 @@ def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, 
   in_prompt = (idx_p[None, :] >= lp - p[:, None]) & heads[:, None]
   p_base = u_stream[unit] * budget + u_off[unit] - (lp - p)
   slot_p = jnp.where(in_prompt, p_base[:, None] + idx_p[None, :], total)
-  seg_p = jnp.where(prompt_valid, ((unit + 1) << UNIT_SHIFT)[:, None], -1)
 
   def scatter(fill, dtype, prompt_values, completion_values):
     flat = jnp.full(total, fill, dtype)
@@ -155,7 +169,7 @@ def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, 
       tokens=scatter(0, jnp.int32, prompt_tokens, tokens),
       positions=scatter(0, jnp.int32, pos_p, pos_c),
       segment=scatter(-1, jnp.int32, seg_p, seg_c),
-      shared=scatter(False, bool, prompt_valid, jnp.zeros_like(seen)),
+      shared=scatter(False, bool, prompt_valid & (segment is None), jnp.zeros_like(seen)),
       target=scatter(0, jnp.int32, jnp.zeros_like(prompt_tokens), jnp.where(nxt_ok, nxt, 0)),
       temperature=scatter(1.0, jnp.float32, temp_p, temp_c),
       slot=jnp.where(slot < total, slot, -1).astype(jnp.int32),

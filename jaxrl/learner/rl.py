@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxrl import config as config_lib
 from jaxrl import losses, parallel
+from jaxrl.envs.agent_task import is_agent
 from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import lora as lora_lib
 from jaxrl.models import moe
@@ -116,7 +117,8 @@ def rl_batch_spec(cfg) -> TrainBatch:
       rewards=s((b,), jnp.float32), group_id=s((b,), jnp.int32),
       temperature=s((b,), jnp.float32), completion_valid=s((b, n), jnp.bool_),
       routing=s((b, n, m.num_layers, m.num_experts_per_tok), moe.ROUTING_DTYPE)
-      if m.num_experts else None)
+      if m.num_experts else None,
+      completion_segment=s((b, n), jnp.int32) if is_agent(cfg.task.name) else None)
 
 
 class CompileAhead:

@@ -43,7 +43,7 @@ from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
 from jaxrl.models import moe
-from jaxrl.models.logprobs import continuation_positions, left_positions
+from jaxrl.models.logprobs import continuation_positions, left_positions, segment_positions
 from jaxrl.models.model_config import KVCache
 from jaxrl.core.types import TrainBatch, TrainState
 from jaxrl.learner import packing, routing
@@ -110,12 +110,22 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   before it), with (Lp + G N) / (G (Lp + N)) of its dense work; the prompt's gradient sums over
   the group. `lora_dropout_key`: the model's LoRA dropout (training only). `batch.routing`: the
   sampler's experts of the generated tokens, replayed with `replay` (`learner.routing`).
+  `batch.completion_segment`: rows of several causal sequences, run per row whatever `group`.
   """
   kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
   lp = batch.prompt_tokens.shape[1]
   route = lambda prompt_len=0: {} if batch.routing is None else {
       "routing": routing.model_routing(batch.routing, prompt_len), "use_routing": replay}
   seen = batch.mask if batch.completion_valid is None else batch.completion_valid
+  if batch.completion_segment is not None:
+    # Rows of several causal sequences run per row, each sequence over its own tokens (one
+    # shared prompt would be seen by a later sequence too).
+    seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
+    segment = jnp.concatenate([jnp.where(batch.prompt_valid, 0, -1),
+                               jnp.where(seen, batch.completion_segment, -1)], axis=1)
+    hidden = model.packed_forward(seq, segment_positions(segment), segment, None, **kw,
+                                  **route(lp))
+    return hidden[:, lp - 1 : -1]
   if group <= 1:
     seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
     valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
@@ -266,7 +276,7 @@ def _packed_micro_batches(batch: TrainBatch, advantages, cfg: StepConfig, shards
   group = cfg.shared_prompts if b % max(cfg.shared_prompts, 1) == 0 else 0
   packed = packing.pack(batch.prompt_tokens, batch.prompt_valid, batch.tokens, seen,
                         batch.temperature, group=group, budget=cfg.pack_tokens, streams=streams,
-                        routing=batch.routing)
+                        routing=batch.routing, segment=batch.completion_segment)
 
   def micro(k):
     in_mb = (packed.stream // shards == k)[:, None]
@@ -296,7 +306,8 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
                 row_sharding: NamedSharding | None = None, teacher=None
                 ) -> tuple[TrainState, dict]:
   m = cfg.num_microbatches
-  group = shared_group(cfg, batch.tokens.shape[0])
+  # Rows of several causal sequences share no prompt (a later sequence does not see it).
+  group = 0 if batch.completion_segment is not None else shared_group(cfg, batch.tokens.shape[0])
   pack = cfg.pack_prompts
   if pack is None:
     pack = row_shards(row_sharding) == 1

@@ -29,6 +29,20 @@ def left_positions(valid: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def segment_positions(segment: jax.Array) -> jax.Array:
+  """Positions [B, T] of rows holding several causal sequences one after another: `segment`
+  [B, T] int32 is each token's sequence (-1: padding; the ids of real tokens never decrease
+  along a row), and each sequence counts its positions from 0 at its first real token
+  (padding gets 0). A row of one segment gets `left_positions`."""
+  real = segment >= 0
+  count = jnp.cumsum(real.astype(jnp.int32), axis=-1)  # real tokens up to and including i
+  seen = jax.lax.cummax(jnp.where(real, segment, -1), axis=segment.ndim - 1)
+  before = jnp.concatenate([jnp.full_like(seen[..., :1], -1), seen[..., :-1]], axis=-1)
+  starts = real & (segment != before)  # the first real token of its sequence
+  base = jax.lax.cummax(jnp.where(starts, count - 1, 0), axis=segment.ndim - 1)
+  return jnp.where(real, count - 1 - base, 0)
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> jax.Array:
   """The one log-prob definition: `log_softmax(logits / T)[target]` over the full vocabulary, f32.
 

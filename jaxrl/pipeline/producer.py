@@ -38,6 +38,7 @@ from jaxrl.runtime.checkpoint import from_json_num, json_num
 from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl import parallel
+from jaxrl.envs.agent_task import is_agent
 from jaxrl.pipeline import dynamic_sampling
 from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
@@ -55,10 +56,12 @@ _REWARD_ARRAY = {"reward": "rewards"}
 def train_fields(cfg, model_cfg=None) -> tuple[str, ...]:
   """The data-plane fields the train step reads (`TrainBatch` in field order): the sampler's
   log-probs when kept, its experts for a mixture-of-experts model (`model_cfg`, the run's
-  `ModelConfig`; None: `cfg.model`'s keys)."""
+  `ModelConfig`; None: `cfg.model`'s keys), the tokens' causal sequences for an agent task."""
   drop = {"rollout_logprobs"} if not cfg.rollout.logprobs else set()
   if not (model_cfg or cfg.model).num_experts:
     drop.add("routing")
+  if not is_agent(cfg.task.name):  # only an agent's episodes hold several causal sequences
+    drop.add("completion_segment")
   return tuple(f for f in TrainBatch._fields if f not in drop)
 
 
@@ -267,7 +270,7 @@ class RolloutProducer:
         rewards=np.nan_to_num(ep.rewards, nan=0.0).astype(np.float32),
         group_id=np.repeat(groups, G).astype(np.int32),
         temperature=np.full(n, self.r.temperature, np.float32), completion_valid=ep.valid,
-        routing=ep.routing)
+        routing=ep.routing, completion_segment=ep.segment)
     arrays = {k: v for k, v in batch._asdict().items() if v is not None}
     arrays["policy_version"] = ep.policy_version
     if place:

@@ -73,6 +73,11 @@ class Episodes:
   # Mixture-of-experts models: [B, N, L, k] int16 experts of each generated token as the sampler
   # fed it (routing replay), -1 elsewhere; None for a dense model.
   routing: np.ndarray | None = None
+  # [B, N] int32: rows that hold several causal sequences (an agent episode whose later request
+  # does not extend the one before): 0 continues the row's prompt, k >= 1 is the episode's k-th
+  # later sequence, which sees only its own tokens and counts its positions from 0
+  # (`TrainBatch.completion_segment`); None where every row is one sequence.
+  segment: np.ndarray | None = None
 
   def select(self, rows) -> Episodes:
     """The episodes of `rows` (indices or a slice), in that order. `env_calls` and
@@ -87,7 +92,8 @@ class Episodes:
         components=pick(self.components), metadata=pick(self.metadata), turns=self.turns[idx],
         terminated=self.terminated[idx], truncated=self.truncated[idx], failed=self.failed[idx],
         fail_reasons=[self.fail_reasons[i] for i in idx], env_calls=0, env_calls_by_env={},
-        routing=None if self.routing is None else self.routing[idx])
+        routing=None if self.routing is None else self.routing[idx],
+        segment=None if self.segment is None else self.segment[idx])
 
   @staticmethod
   def concat(parts: Sequence[Episodes]) -> Episodes:
@@ -114,7 +120,8 @@ class Episodes:
         components=named("components"), metadata=named("metadata"),
         fail_reasons=[r for p in parts for r in p.fail_reasons],
         env_calls=sum(p.env_calls for p in parts), env_calls_by_env=calls,
-        routing=None if first.routing is None else cat("routing"))
+        routing=None if first.routing is None else cat("routing"),
+        segment=None if first.segment is None else cat("segment"))
 
   def fail_counts(self) -> dict[str, int]:
     """Failed rows by kind of failure ("error", "timeout"), from `fail_reasons`."""

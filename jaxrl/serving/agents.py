@@ -17,9 +17,11 @@ producer, the data plane and the trainer take its rows unchanged:
   each later request the tokens its prompt adds after everything so far (the tool results, the
   next user turn: context, never trained) and its reply (trained). A request whose prompt does
   not extend the previous prompt + reply token for token (the template re-rendered history
-  differently, or the agent rewrote it) starts a new segment: the tokens are never re-tokenised
-  to force a fit. The row is the first segment; later segments are counted in
-  `Episodes.metadata["agent_segments"]` and not trained (see docs/serving.md).
+  differently, or the agent rewrote it) starts a new segment: its whole prompt (context) and its
+  reply (trained) follow in the row as a causal sequence of their own (`Episodes.segment`,
+  `TrainBatch.completion_segment`: it sees only its own tokens, positions from 0), so the tokens
+  are never re-tokenised to force a fit; later requests that extend it add to it. Every segment
+  shares the episode's reward; `Episodes.metadata["agent_segments"]` counts them.
 - Reward: the function's return value; a dict is a set of named components summed into the
   reward.
 - `max_concurrency` episodes run at once (0: every episode of the batch, so the engine batches
@@ -62,36 +64,44 @@ POOL = 32
 
 @dataclasses.dataclass
 class Trajectory:
-  """One episode's first segment as a row, and how many segments the episode had."""
+  """One episode as a row: the first request's prompt, then every token after it, each with its
+  causal sequence (`segment`: 0 continues the prompt, k >= 1 is the k-th later segment)."""
 
   prompt: list[int]
   tokens: list[int]
   mask: list[bool]  # generated tokens
   logprobs: list[float]
   versions: list[int]
-  segments: int
+  segment: list[int]
+  segments: int  # the episode's segments, all of them (those cut by the budget too)
   truncated: bool  # cut to the completion budget
 
 
 def trajectory(turns: Sequence[tuple[list[int], Completion]], max_total_tokens: int
                ) -> Trajectory:
-  """The row of an episode's recorded replies (module docstring)."""
+  """The row of an episode's recorded replies (module docstring): a request that extends the
+  current segment's prompt and replies adds what its prompt adds (context) and its reply
+  (trained); one that does not starts the next segment with its whole prompt (context) and its
+  reply, exactly as served."""
   prompt, first = turns[0]
   tokens, mask = list(first.tokens), [True] * len(first.tokens)
   lps, vers = list(first.logprobs), list(first.versions)
-  segments, extending = 1, True
+  seg = [0] * len(first.tokens)
+  segment, context = 0, list(prompt) + list(first.tokens)
   for p, c in turns[1:]:
-    context = prompt + tokens
-    if extending and p[:len(context)] == context:
-      obs = p[len(context):]
-      tokens += obs + list(c.tokens)
-      mask += [False] * len(obs) + [True] * len(c.tokens)
-      lps += [0.0] * len(obs) + list(c.logprobs)
-      vers += [0] * len(obs) + list(c.versions)
+    if p[:len(context)] == context:
+      added = p[len(context):]
     else:
-      segments, extending = segments + 1, False
+      segment, added, context = segment + 1, list(p), []
+    tokens += added + list(c.tokens)
+    mask += [False] * len(added) + [True] * len(c.tokens)
+    lps += [0.0] * len(added) + list(c.logprobs)
+    vers += [0] * len(added) + list(c.versions)
+    seg += [segment] * (len(added) + len(c.tokens))
+    context += added + list(c.tokens)
   N = max_total_tokens
-  return Trajectory(prompt, tokens[:N], mask[:N], lps[:N], vers[:N], segments, len(tokens) > N)
+  return Trajectory(prompt, tokens[:N], mask[:N], lps[:N], vers[:N], seg[:N], segment + 1,
+                    len(tokens) > N)
 
 
 def reward_of(value) -> tuple[float, dict[str, float]]:
@@ -191,6 +201,7 @@ class AgentLoop:
     tokens, valid = np.full((B, N), pad, np.int32), np.zeros((B, N), bool)
     mask, lps = np.zeros((B, N), bool), np.zeros((B, N), np.float32)
     vers, rewards = np.zeros((B, N), np.int32), np.full(B, np.nan, np.float32)
+    segment = np.zeros((B, N), np.int32)
     turns, segments = np.zeros(B, np.int32), np.full(B, np.nan, np.float32)
     truncated, failed, reasons = np.zeros(B, bool), np.zeros(B, bool), [None] * B
     components: dict[str, np.ndarray] = {}
@@ -209,7 +220,8 @@ class AgentLoop:
         continue
       n = len(t.tokens)
       tokens[i, :n], valid[i, :n], mask[i, :n] = t.tokens, True, t.mask
-      lps[i, :n], vers[i, :n] = t.logprobs, t.versions
+      lps[i, :n], vers[i, :n], segment[i, :n] = t.logprobs, t.versions, t.segment
+      segment[i, n:] = t.segment[-1] if n else 0  # (padding; ids never decrease along a row)
       rewards[i], truncated[i], segments[i] = result[0], t.truncated, t.segments
       for k, v in result[1].items():
         components.setdefault(k, np.full(B, np.nan, np.float32))[i] = v
@@ -219,7 +231,7 @@ class AgentLoop:
         valid=valid, mask=mask, logprobs=lps, policy_version=vers, rewards=rewards,
         components=components, metadata={"agent_segments": segments}, turns=turns,
         terminated=~failed & ~truncated, truncated=truncated, failed=failed,
-        fail_reasons=reasons, env_calls=0, env_calls_by_env={})
+        fail_reasons=reasons, env_calls=0, env_calls_by_env={}, segment=segment)
 
 
 def agent_loop(parts, group_size: int, newest=None) -> AgentLoop:
