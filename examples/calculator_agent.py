@@ -10,6 +10,8 @@ the reward.
   any model, the default run's character-level one included).
 - `tool`: two completions around `calc` for the default run's character-level model: a draft,
   the tool's result appended as context, the answer (one trajectory; see its docstring).
+- `draft`: the model drafts first, then answers a fresh prompt the tool's result wrote (two
+  causal sequences of one row, both trained; see its docstring).
 """
 
 from __future__ import annotations
@@ -102,3 +104,20 @@ async def tool(client, task) -> dict[str, float]:
   # of the answer's characters the reply has in place.
   near = sum(a == b for a, b in zip(r2.text, want)) / len(want) if r2.text else 0.0
   return {"correct": graded(r2, want), "digits": 0.1 * near}
+
+
+async def draft(client, task) -> float:
+  """Two completions around `calc` for the default run's character-level model, the second a
+  prompt of its own. Turn 1: the model drafts an answer to the row's prompt ("07+35="). The
+  agent runs `calc` on the row's expression and, when the value v has at most two digits,
+  asks the model `f"{v:02d}+00="` (as `lookup` does; a larger value asks the row's prompt
+  again). Turn 2's prompt does not extend turn 1's prompt and reply, so it is the episode's
+  second causal sequence (`TrainBatch.completion_segment`): it sees only its own tokens, as
+  the server generated it, and both replies are trained with the episode's reward, turn 2's
+  answer graded as `add` grades. Needs `rollout.max_total_tokens=16` (draft, then the second
+  prompt and its reply)."""
+  await client.completions.create(model="policy", prompt=task.prompt)
+  value = int(calc(json.dumps({"expr": task.prompt.rstrip("=")})))
+  prompt = f"{value:02d}+00=" if value < 100 else task.prompt
+  r = await client.completions.create(model="policy", prompt=prompt)
+  return graded(r.choices[0], task.data["answer"])

@@ -130,6 +130,7 @@ def test_every_pass_scores_each_sequence_as_a_row_of_its_own(model):
   assert np.abs(want[mask]).min() > 0  # every trained token was scored
 
 
+@pytest.mark.slow  # three train steps compiled: ~20 s on 2 cores
 def test_the_train_step_takes_rows_of_several_sequences_in_every_form(model):
   # The same batch through the per-row, shared-prompt and packed steps: one loss, one update.
   graphdef, params = model

@@ -71,6 +71,13 @@ def test_lookup_asks_the_tools_result_as_an_add_prompt():
   assert client.completions.prompts == ["57+65="]
 
 
+def test_draft_answers_the_tools_result_as_a_prompt_of_its_own():
+  # The draft ("41") is not graded; the answer to the tool's prompt is.
+  assert _play(calculator_agent.draft, [("41", "stop"), ("42", "stop")]) == (
+      1.0, ["07+35=", "42+00="])
+  assert _play(calculator_agent.draft, [("42", "stop"), ("41", "stop")])[0] == 0.0
+
+
 @pytest.fixture(scope="module")
 def char_server():
   source = AddSource(num_digits=2, seed=0, dev_size=10, val_size=10)
@@ -89,10 +96,8 @@ def char_server():
   server.stop()
 
 
-def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
-  server, tok, params, source, holder = char_server
-  seen = {}
-
+def _recorded(agent, seen):
+  """`agent`, keeping every choice the server returned to it in `seen[task.uid]`."""
   async def recorded(client, task):
     create = client.completions.create
 
@@ -102,9 +107,14 @@ def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
       return r
 
     client.completions.create = recording
-    return await calculator_agent.tool(client, task)
+    return await agent(client, task)
+  return recorded
 
-  loop = AgentLoop(recorded, server, tok, BUDGET, 1)
+
+def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
+  server, tok, params, source, holder = char_server
+  seen = {}
+  loop = AgentLoop(_recorded(calculator_agent.tool, seen), server, tok, BUDGET, 1)
   holder["loop"] = loop
   tasks = source.split("val")[:6]
   ep = loop.run(params, tasks, None, 0, version=5, temperature=1.0)
@@ -126,6 +136,33 @@ def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
     want = float(c2.finish_reason == "stop" and c2.text.strip() == task.data["answer"])
     assert ep.components["correct"][i] == want
   assert np.isfinite(ep.rewards).all()
+
+
+def test_a_draft_episode_is_two_sequences_of_the_served_tokens(char_server):
+  server, tok, params, source, holder = char_server
+  seen = {}
+  budget = Budget(max_prompt_len=6, max_new_tokens=4, max_total_tokens=16, max_turns=2)
+  loop = AgentLoop(_recorded(calculator_agent.draft, seen), server, tok, budget, 1)
+  holder["loop"] = loop
+  tasks = [t for t in source.split("val") if int(t.data["answer"]) < 100][:6]
+  ep = loop.run(params, tasks, None, 0, version=5, temperature=1.0)
+  assert not ep.failed.any() and not ep.truncated.any()
+  assert ep.metadata["agent_segments"].tolist() == [2.0] * len(tasks)
+  for i, task in enumerate(ep.tasks):
+    c1, c2 = seen[task.uid]
+    g1, g2 = c1.model_extra["token_ids"], c2.model_extra["token_ids"]
+    p1, p2 = c1.model_extra["prompt_token_ids"], c2.model_extra["prompt_token_ids"]
+    assert p2 == tok.encode(f"{int(task.data['answer']):02d}+00=")
+    # The row: the first prompt, the draft (trained), then the tool's prompt (context) and the
+    # answer (trained) as the second sequence.
+    n = len(g1) + len(p2) + len(g2)
+    assert ep.prompt_tokens[i][ep.prompt_valid[i]].tolist() == p1
+    assert ep.tokens[i, :n].tolist() == g1 + p2 + g2 and not ep.valid[i, n:].any()
+    assert ep.mask[i, :n].tolist() == [True] * len(g1) + [False] * len(p2) + [True] * len(g2)
+    assert ep.segment[i, :n].tolist() == [0] * len(g1) + [1] * (len(p2) + len(g2))
+    assert (ep.policy_version[i][ep.mask[i]] == 5).all()
+    assert ep.rewards[i] == float(c2.finish_reason == "stop" and
+                                  c2.text.strip() == task.data["answer"])
 
 
 CALLS: list[str] = []

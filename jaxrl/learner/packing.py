@@ -183,6 +183,19 @@ def pack(prompt_tokens, prompt_valid, tokens, seen, temperature, *, group: int, 
                   streams, budget, *routing.shape[2:]))
 
 
+def segmented_hidden(model, batch, seen, **kw) -> jax.Array:
+  """Final hidden states [B, N, D] that predict each completion token of rows holding several
+  causal sequences (`batch.completion_segment`; `seen` [B, N]: the real completion tokens):
+  each row is one packed row, its prompt and sequence 0 one segment, each later sequence
+  another, with positions of its own. `kw`: `Transformer.packed_forward`'s options."""
+  lp = batch.prompt_tokens.shape[1]
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
+  segment = jnp.concatenate([jnp.where(batch.prompt_valid, 0, -1),
+                             jnp.where(seen, batch.completion_segment, -1)], axis=1)
+  hidden = model.packed_forward(tokens, segment_positions(segment), segment, None, **kw)
+  return hidden[:, lp - 1 : -1]  # position lp - 1 + j predicts completion token j
+
+
 def packed_logprobs(model, packed: PackedBatch, k: jax.Array, shards: int, batch, *,
                     with_entropy: bool = True, impl: str | None = None, chunk: int | None = None,
                     lora_dropout_key: jax.Array | None = None, replay: bool = False

@@ -43,7 +43,7 @@ from jaxrl.kernels import fused_logprob
 from jaxrl.losses import ObjectiveConfig
 from jaxrl.models import lora as lora_lib
 from jaxrl.models import moe
-from jaxrl.models.logprobs import continuation_positions, left_positions, segment_positions
+from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import KVCache
 from jaxrl.core.types import TrainBatch, TrainState
 from jaxrl.learner import packing, routing
@@ -95,8 +95,6 @@ class StepConfig:
     return self.loss == "rl" and self.objective.ref_kl_coef != 0
 
 
-
-
 def completion_hidden(model, batch: TrainBatch, group: int = 0,
                       lora_dropout_key: jax.Array | None = None, packed: bool = False,
                       replay: bool = False) -> jax.Array:
@@ -117,15 +115,8 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
   route = lambda prompt_len=0: {} if batch.routing is None else {
       "routing": routing.model_routing(batch.routing, prompt_len), "use_routing": replay}
   seen = batch.mask if batch.completion_valid is None else batch.completion_valid
-  if batch.completion_segment is not None:
-    # Rows of several causal sequences run per row, each sequence over its own tokens (one
-    # shared prompt would be seen by a later sequence too).
-    seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
-    segment = jnp.concatenate([jnp.where(batch.prompt_valid, 0, -1),
-                               jnp.where(seen, batch.completion_segment, -1)], axis=1)
-    hidden = model.packed_forward(seq, segment_positions(segment), segment, None, **kw,
-                                  **route(lp))
-    return hidden[:, lp - 1 : -1]
+  if batch.completion_segment is not None:  # per row (a later sequence sees no shared prompt)
+    return packing.segmented_hidden(model, batch, seen, **kw, **route(lp))
   if group <= 1:
     seq = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)
     valid = jnp.concatenate([batch.prompt_valid, seen], axis=1)
