@@ -44,18 +44,23 @@ def test_config_rejects_what_agent_tasks_do_not_do(over, key):
   assert [q for q in e.value.problems if q.startswith(key + ":")], e.value.problems
 
 
+def _run(cfg, tmp_path):
+  """Runs `cfg` in `tmp_path/run`: (every metrics row, the RL rows, one per step in order)."""
+  driver.run(cfg, str(tmp_path / "run"), config_lib.validate(cfg, jax.device_count()))
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+          .splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert [r["batch_id"] for r in rl] == list(range(cfg.train.steps))
+  return rows, rl
+
+
 @pytest.mark.slow  # a 4-step run plus validation through the server: ~40 s on 2 busy cores
 def test_an_agent_task_trains_with_exact_forced_lag(tmp_path):
   lag, steps = 2, 4
   cfg = _tiny_cfg(task__name="agent:test_agent_run:answer", rollout__lag=lag,
                   train__steps=steps, val__at_end=True, agent__max_concurrency=8)
-  mesh = config_lib.validate(cfg, jax.device_count())
   CALLS.clear()
-  driver.run(cfg, str(tmp_path / "run"), mesh)
-  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-          .splitlines()]
-  rl = [r for r in rows if r["phase"] == "rl"]
-  assert [r["batch_id"] for r in rl] == list(range(steps))
+  rows, rl = _run(cfg, tmp_path)
   for r in rl:
     want = min(r["batch_id"], lag)
     for kind in ("first_token", "last_token"):
@@ -90,13 +95,8 @@ def test_an_agent_episode_of_two_sequences_trains_both(tmp_path):
   steps = 3
   cfg = _tiny_cfg(task__name="agent:test_agent_run:two_sequences", rollout__lag=0,
                   train__steps=steps, rollout__max_total_tokens=16)
-  mesh = config_lib.validate(cfg, jax.device_count())
   REPLIES.clear()
-  driver.run(cfg, str(tmp_path / "run"), mesh)
-  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-          .splitlines()]
-  rl = [r for r in rows if r["phase"] == "rl"]
-  assert [r["batch_id"] for r in rl] == list(range(steps))
+  _, rl = _run(cfg, tmp_path)
   for r in rl:
     served = [n for v, n in REPLIES if v == r["batch_id"]]
     assert len(served) == 2 * cfg.rollout.num_prompts * cfg.rollout.group_size
