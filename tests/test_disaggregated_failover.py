@@ -67,14 +67,18 @@ def _wait_rows(run, procs, n: int) -> None:
     time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-  """The colocated one-process run (8 devices) the disaggregated runs must repeat."""
-  path = tmp_path_factory.mktemp("one")
-  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS, f"--config.run_dir={path}"],
+def _colocated(path, extra=()) -> list[dict]:
+  """The rows of the colocated one-process run (8 devices) the disaggregated runs must repeat."""
+  one = subprocess.run([sys.executable, "-m", "jaxrl.train", *ARGS, *extra,
+                        f"--config.run_dir={path}"],
                        env=_env(8), cwd=path.parent, capture_output=True, text=True, timeout=600)
   assert one.returncode == 0, one.stdout + one.stderr
   return _rows(path)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  return _colocated(tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.slow
@@ -117,14 +121,19 @@ def test_a_lost_rollout_process_and_the_run_goes_on(tmp_path, one_process, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lag", [LAG, 2])
 def test_every_rollout_process_lost_stops_with_one_line_and_the_rerun_resumes(tmp_path,
-                                                                              one_process):
-  """SIGKILL of both rollout processes after step 2's checkpoint: the train process drops them,
-  waits `distributed.peer_timeout_s` more for one to come back, then stops (rc 1) with one
-  `jaxrl:` line and no traceback; the same command on every process resumes from the last
-  checkpoint, and the whole run's per-step metrics are one colocated process's."""
+                                                                              one_process, lag):
+  """SIGKILL of both rollout processes after step 2: the train process drops them, waits
+  `distributed.peer_timeout_s` more for one to come back, then checkpoints its last completed
+  step (the ring as it is, with the older params versions its undelivered batches need) and
+  stops (rc 1) with one `jaxrl:` line naming that step and no traceback; the same command on
+  every process resumes from it (the run has no other checkpoint), and the whole run's
+  per-step metrics are one colocated process's, at lag 1 and 2."""
+  extra = ["--config.checkpoint.every=100", f"--config.rollout.lag={lag}"]
+  reference = one_process if lag == LAG else _colocated(tmp_path / "one", extra[1:])
   run = tmp_path / "all"
-  procs = _start(run, extra=["--config.checkpoint.every=2"])
+  procs = _start(run, extra=extra)
   _wait_rows(run, procs, 2)
   for p in procs[1:]:
     p.send_signal(signal.SIGKILL)
@@ -136,19 +145,22 @@ def test_every_rollout_process_lost_stops_with_one_line_and_the_rerun_resumes(tm
   assert procs[0].returncode == 1, out
   lines = [ln for ln in out.splitlines() if ln.startswith("jaxrl:")]
   assert len(lines) == 1 and "Traceback" not in out, out
-  assert lines[0].startswith("jaxrl: every rollout process (1, 2) was lost and none came back "
-                             f"within distributed.peer_timeout_s={PEER_TIMEOUT_S} s"), lines
-  # Dropped after a silence of the timeout, then waited for as long again.
-  assert 2 * PEER_TIMEOUT_S <= waited < 2 * PEER_TIMEOUT_S + 60, waited
   stopped = len(_rows(run))
   assert 2 <= stopped < STEPS
-  outs = communicate(_start(run, extra=["--config.checkpoint.every=2"]), 600)
-  assert re.search(r"resumed from step [2-9]", outs[0]), outs[0]
+  assert re.fullmatch(
+      r"jaxrl: every rollout process \(1, 2\) was lost and none came back within "
+      rf"distributed.peer_timeout_s={PEER_TIMEOUT_S} s while the train side waited for batch "
+      rf"\d+; a checkpoint of step {stopped}, the last completed step, was saved: rerun the "
+      "same command on every process to resume from it", lines[0]), lines
+  # Dropped after a silence of the timeout, then waited for as long again.
+  assert 2 * PEER_TIMEOUT_S <= waited < 2 * PEER_TIMEOUT_S + 60, waited
+  outs = communicate(_start(run, extra=extra), 600)
+  assert f"resumed from step {stopped} " in outs[0], outs[0]
   rows = _rows(run)
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   assert [r["staleness/first_token/max"] for r in rows] == \
-      [min(t - 1, LAG) for t in range(1, STEPS + 1)]
-  assert same_metrics(one_process, rows) > 250
+      [min(t - 1, lag) for t in range(1, STEPS + 1)]
+  assert same_metrics(reference, rows) > 250
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxrl.core.errors import StopWithCheckpoint
 from jaxrl.pipeline import (InlineWorker, LagGate, LagPipeline, ParamsHandoff, PipelineClosed,
                             RegenerationCapError, RolloutWorker, StallError, VersionUnavailable,
                             WorkerFailed, fill_batch, params_version, row_versions,
@@ -382,6 +383,87 @@ def test_lag_pipeline_checkpoint_resumes_exactly(lag, inline):
   assert first + rest == whole
   with pytest.raises(RuntimeError, match="fresh gate"):
     resumed.load_state_dict(arrays, host)
+
+
+class LostAt(CountingProducer):
+  """`CountingProducer` whose rollouts are all lost at batch `lost_at`: the worker fails there
+  as the train side of a run whose rollout processes are gone does (`StopWithCheckpoint`)."""
+
+  def __init__(self, lost_at, seed=0, when=lambda: True):
+    super().__init__(seed)
+    self.lost_at, self.when = lost_at, when
+
+  def produce(self, batch_id, params, version):
+    if batch_id == self.lost_at:
+      _wait_for(self.when, what="the moment of the loss")
+      raise StopWithCheckpoint(f"every rollout process was lost before batch {batch_id}")
+    return super().produce(batch_id, params, version)
+
+
+class KeepingPublisher:
+  """A publisher that keeps a copy of each version it published, as the one to rollout
+  processes does (`kept`, `kept_target`, `replay`)."""
+
+  def __init__(self):
+    self.published = {}
+
+  def __call__(self, version, params):
+    self.published[version] = params
+    return params
+
+  def kept(self, versions):
+    return {v: np.array([self.published[v]["version"]]) for v in versions}
+
+  def kept_target(self, shapes):
+    return {v: tuple(shape) for v, (shape, _) in shapes.items()}
+
+  def replay(self, version, data):
+    return {"version": int(data[0])}
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+@pytest.mark.parametrize("drained", [True, False], ids=["drained", "any_moment"])
+def test_a_ring_that_is_not_full_is_saved_with_the_versions_its_batches_need(lag, drained):
+  """Every rollout lost at batch 5: the trainer's pull fails at some step T (`drained`: once it
+  has pulled every batch before 5, so T = 5; else when the timing has it); the ring as it is then
+  (`state_dict(partial=True)`) holds the delivered batches, the producer state after them and
+  the older params versions the undelivered ones need, so a pipeline loaded from it delivers
+  the rest exactly as the run that lost nothing."""
+  steps, lost_at = 9, 5
+  with LagPipeline(CountingProducer(), lag, stall_timeout_s=10.0) as pipe:
+    pipe.publish(0, {"version": 0})
+    whole = _drive(pipe, steps)
+  holder = []
+  when = (lambda: holder[0].handoff.latest_version >= lost_at) if drained else (lambda: True)
+  pipe = LagPipeline(LostAt(lost_at, when=when), lag, stall_timeout_s=10.0,
+                     publisher=KeepingPublisher())
+  holder.append(pipe)
+  first = []
+  with pytest.raises(WorkerFailed), pipe:
+    pipe.publish(0, {"version": 0})
+    for t in range(steps):
+      batch_id, item = pipe.pull()
+      first.append((batch_id, item.version, item.draw))
+      pipe.publish(t + 1, {"version": t + 1})
+  done = len(first)  # steps completed: the newest published version
+  assert done <= lost_at
+  arrays, host = pipe.state_dict(partial=True)
+  held = [int(b) for b in host["ring"]]
+  assert held == list(range(done, lost_at)[:len(held)])  # delivered in order, not pulled
+  # The undelivered batches from `undelivered` on need versions b - L; those below the newest.
+  undelivered = done + len(held)
+  assert undelivered == lost_at and host["gate"]["submitted"] == undelivered
+  assert sorted(map(int, host["versions"])) == list(range(max(0, undelivered - lag), done))
+  resumed = LagPipeline(CountingProducer(seed=99), lag, stall_timeout_s=10.0,
+                        publisher=KeepingPublisher())
+  resumed.load_state_dict(arrays, host)
+  with resumed:
+    resumed.republish()
+    resumed.publish(done, {"version": done})
+    rest = _drive(resumed, steps, start=done)
+  assert first + rest == whole
+  if drained:  # batches 5 .. 5 + L - 2 need versions older than the newest, 5
+    assert done == lost_at and not held and len(host["versions"]) == lag
 
 
 def test_inline_worker_raises_from_catch_up_and_needs_published_params():

@@ -16,6 +16,25 @@ class UserError(Exception):
   or directory)."""
 
 
+class StopWithCheckpoint(UserError):
+  """A run-time ending after which the trained state is whole (every rollout process lost while
+  the trainer waited for its next batch): the run loop checkpoints its last completed step
+  before it ends (`saved(step)`), and the message ends with what to rerun and from where."""
+
+  saved_step: int | None = None
+  rerun = "rerun the same command"
+
+  def saved(self, step: int) -> None:
+    self.saved_step = int(step)
+
+  def __str__(self) -> str:
+    text = super().__str__()
+    if self.saved_step is None:
+      return f"{text}; {self.rerun} to resume from the last checkpoint"
+    return (f"{text}; a checkpoint of step {self.saved_step}, the last completed step, was "
+            f"saved: {self.rerun} to resume from it")
+
+
 class DataFileError(UserError, ValueError):
   """A task's data file that cannot be read as the task needs: the message names the file and,
   for a bad row, its line."""

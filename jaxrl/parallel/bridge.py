@@ -47,16 +47,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.parallel import peers
 
-try:
-  from jax import shard_map as _shard_map
 
-  def shard_map(f, mesh, in_specs, out_specs):
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-except ImportError:  # older JAX
-  from jax.experimental.shard_map import shard_map as _old_shard_map
+def shard_map(f, mesh, in_specs, out_specs):
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
-  def shard_map(f, mesh, in_specs, out_specs):
-    return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 PREFIX = "jaxrl/disaggregated/"
 
@@ -151,6 +145,11 @@ class VersionServer:
     with self._cond:
       self._versions[version] = bytes(data)
       self._cond.notify_all()
+
+  def get(self, version: int) -> bytes | None:
+    """What is served as `version` (None: not published, or retired)."""
+    with self._cond:
+      return self._versions.get(version)
 
   def retire_below(self, version: int) -> None:
     """Forgets every version below `version`; asking for one of them is `VersionGone`."""

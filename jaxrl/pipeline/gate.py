@@ -249,12 +249,30 @@ class LagGate:
                            f"{self._stats_locked()}")
         self._cond.wait(min(_POLL_S, left))
 
+  def delivered(self) -> tuple[dict[int, object], dict]:
+    """What a checkpoint of a ring that is not full holds, without waiting (the worker failed, or
+    waits on rollouts that will not come): the delivered, unpulled items by batch id and the
+    gate's counters with the undelivered reservations given back, so a resumed worker reserves
+    the first undelivered batch again. Batches are delivered in order here (`Receiver`), so the
+    delivered ones are the consumed .. completed - 1 that follow the last pull."""
+    with self._cond:
+      ready = {b: self._ready[b] for b in sorted(self._ready)}
+      if sorted(ready) != list(range(self._consumed, self._consumed + len(ready))):
+        raise RuntimeError(f"delivered batches {sorted(ready)} do not follow the last pull "
+                           f"({self._consumed - 1}): the ring cannot be saved as it is")
+      state = self._checkpoint_state_locked()
+      state["submitted"] = state["completed"] = self._consumed + len(ready)
+      return ready, state
+
   def checkpoint_state(self) -> dict:
     """The counters a resumed gate needs (JSON); pair with `quiesce()`'s items."""
     with self._cond:
-      return {"submitted": self._submitted, "freed": self._freed, "consumed": self._consumed,
-              "completed": self._completed, "max_held": self._max_held,
-              "counters": dict(self._counters)}
+      return self._checkpoint_state_locked()
+
+  def _checkpoint_state_locked(self) -> dict:
+    return {"submitted": self._submitted, "freed": self._freed, "consumed": self._consumed,
+            "completed": self._completed, "max_held": self._max_held,
+            "counters": dict(self._counters)}
 
   def restore(self, state: dict, ready: dict[int, object]) -> None:
     """Puts a fresh gate (before its worker starts) where a checkpointed one was: the worker's

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 from jaxrl.pipeline.gate import LagGate
 from jaxrl.pipeline.handoff import ParamsHandoff
-from jaxrl.pipeline.worker import InlineWorker, RolloutWorker
+from jaxrl.pipeline.worker import InlineWorker, RolloutWorker, params_version
 
 
 class LagPipeline:
@@ -75,6 +75,7 @@ class LagPipeline:
     if hasattr(producer, "bind_stop"):
       producer.bind_stop(self.worker.should_stop)
     self._globalized: dict[int, object] = {}  # by batch id: made global before their pull
+    self._replay: dict[int, object] = {}  # params versions a partial checkpoint kept (restore)
 
   # ---- running -------------------------------------------------------------------------------
 
@@ -133,24 +134,53 @@ class LagPipeline:
 
   # ---- checkpoints ---------------------------------------------------------------------------
 
-  def state_dict(self) -> tuple[dict, dict]:
+  def state_dict(self, partial: bool = False) -> tuple[dict, dict] | None:
     """`(arrays, host)`: the delivered, unpulled batches' arrays by batch id, and the JSON the
     rest needs (gate counters, the batches' metadata, the producer's state). Waits (at most
-    `rollout.stall_timeout_s`) for the ring to fill first."""
-    items = self.gate.quiesce(self.gate.stall_timeout_s)
+    `rollout.stall_timeout_s`) for the ring to fill first.
+
+    `partial`: the ring as it is, not full (its worker failed or waits on rollouts that will not
+    come; `LagGate.delivered`): the undelivered batches are made again after a resume, from the
+    params versions the forced lag gives them, older than the newest where L > 1, so those
+    versions are saved too (`kept`, the publisher's copies of what it published). None when the
+    publisher keeps no such copies (the caller saves nothing)."""
+    if not partial:
+      items, gate = self.gate.quiesce(self.gate.stall_timeout_s), None
+    else:
+      items, gate = self.gate.delivered()
     arrays, ring = {}, {}
+    host = {"gate": gate or self.gate.checkpoint_state(), "ring": ring}
+    if partial:
+      newest = self.handoff.latest_version
+      need = range(params_version(gate["submitted"], self.lag), newest)
+      kept = getattr(self.publisher, "kept", lambda versions: None)(need)
+      if kept is None:
+        return None
+      arrays["versions"] = {str(v): a for v, a in kept.items()}
+      host["versions"] = {str(v): [list(a.shape), a.dtype.str] for v, a in kept.items()}
     for bid in sorted(items):  # globalize: the same order on every process
       item = self._globalized[bid] = self._globalize(bid, items[bid])
       arrays[str(bid)], ring[str(bid)] = self.producer.encode(item)
-    return arrays, {**self.producer.state_dict(), "gate": self.gate.checkpoint_state(),
-                    "ring": ring}
+    return arrays, {**self.producer.state_dict(), **host}
 
   def target(self, host: dict) -> dict:
     """The abstract arrays `state_dict()`'s arrays restore into, from its `host`."""
-    return {bid: self.producer.target(h) for bid, h in host["ring"].items()}
+    out = {bid: self.producer.target(h) for bid, h in host["ring"].items()}
+    if "versions" in host:
+      out["versions"] = self.publisher.kept_target(host["versions"])
+    return out
 
   def load_state_dict(self, arrays: dict, host: dict) -> None:
     """Puts a fresh pipeline (before `__enter__`) where the checkpointed one was."""
     ready = {int(bid): self.producer.decode(arrays[bid], h) for bid, h in host["ring"].items()}
     self.gate.restore(host["gate"], ready)
     self.producer.load_state_dict(host)
+    self._replay = {int(v): a for v, a in arrays.get("versions", {}).items()}
+
+  def republish(self) -> None:
+    """Publishes again the params versions a partial checkpoint kept (`state_dict(partial=True)`;
+    nothing otherwise), oldest first, before the run publishes its newest: the undelivered
+    batches that need them start from them as they would have."""
+    for version in sorted(self._replay):
+      self.handoff.publish(version, self.publisher.replay(version, self._replay[version]))
+    self._replay = {}

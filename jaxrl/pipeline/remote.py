@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from jaxrl import parallel
-from jaxrl.core.errors import UserError
+from jaxrl.core.errors import StopWithCheckpoint
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
 from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides, train_processes
@@ -200,9 +200,11 @@ def horizon(steps: int, lag: int) -> int:
   return steps - 1 + lag
 
 
-class RolloutProcessesLost(UserError, RuntimeError):
+class RolloutProcessesLost(StopWithCheckpoint, RuntimeError):
   """Every rollout process was dropped and none came back in time; the message says what to
-  rerun."""
+  rerun (and, once the loop has saved it, which checkpoint the rerun resumes from)."""
+
+  rerun = "rerun the same command on every process"
 
 
 class Receiver:
@@ -359,8 +361,7 @@ class Receiver:
         raise RolloutProcessesLost(
             f"every rollout process ({', '.join(map(str, self.procs))}) was lost and none came "
             f"back within distributed.peer_timeout_s={self.timeout_s:g} s while the train side "
-            f"waited for batch {batch_id}; rerun the same command on every process to resume "
-            "from the last checkpoint") from None
+            f"waited for batch {batch_id}") from None
       with self._lock:
         self.got.setdefault(batch_id, set()).add(k)
       if head["submit_version"] != version:
@@ -439,13 +440,30 @@ class Sender:
                                             "producer": producer}))
 
   def __call__(self, version: int, params) -> None:
-    if self.first <= version <= self.last:
-      if self.main and self.receiver is not None:  # the batches this version lets start
-        for b in range(version if version else self.batches.start, version + self.lag + 1):
-          if b in self.batches and params_version(b, self.lag) == version:
-            self.receiver.plan(b)
+    if self._plan(version):
       self.versions.send(version, params)
     return None
+
+  def replay(self, version: int, data: bytes) -> None:
+    """Serves `version` again as this process served it before (`served`), e.g. from a
+    checkpoint of a ring that was not full (`LagPipeline.republish`)."""
+    if self._plan(version):
+      self.versions.server.publish(version, data)
+
+  def served(self, version: int) -> bytes | None:
+    """What this process served as `version`, while it still serves it."""
+    return self.versions.server.get(version)
+
+  def _plan(self, version: int) -> bool:
+    """Whether `version` is one the rollout processes ask for; if so the first train process
+    assigns the batches it lets start (`Receiver.plan`)."""
+    if not self.first <= version <= self.last:
+      return False
+    if self.main and self.receiver is not None:
+      for b in range(version if version else self.batches.start, version + self.lag + 1):
+        if b in self.batches and params_version(b, self.lag) == version:
+          self.receiver.plan(b)
+    return True
 
   def done(self) -> None:
     if self.main:

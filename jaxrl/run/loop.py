@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 
 from jaxrl import parallel
-from jaxrl.core.errors import UserError
+from jaxrl.core.errors import StopWithCheckpoint, UserError
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner.rl import CompileAhead, build_rl_step
 from jaxrl.learner.step import model_params
@@ -32,6 +32,7 @@ from jaxrl.observe import metrics as metrics_lib
 from jaxrl.observe import profiling
 from jaxrl.observe.rows import step_row
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
+from jaxrl.pipeline.gate import WorkerFailed
 from jaxrl.pipeline.producer import train_fields
 from jaxrl.run import directory as run_dir_lib
 from jaxrl.run.state import LoopState
@@ -107,6 +108,7 @@ def rl(parts, params, topology, io: RunIO, *, start: LoopStart | None = None,
   try:
     feed.publisher.start(pipe.next_batch())
     run.announce(topology)
+    pipe.republish()  # the older versions a checkpoint of a ring not full kept (else nothing)
     published = pipe.publish(loop.step, model_params(run.state))
     if loop.step == 0 and v.at_start:
       evaluator.submit(0, feed.eval_params(published, model_params(run.state)))
@@ -188,7 +190,7 @@ class _Steps:
     """RL step `t`, whole; True when the run stops after it (a signal)."""
     cfg = self.parts.cfg
     self.perf.begin(t)
-    batch_id, item = self.pipe.pull()
+    batch_id, item = self.pull()
     self.perf.lap("wait")
     m = self.train(t, item)
     published = self.pipe.publish(t, model_params(self.state))
@@ -208,6 +210,18 @@ class _Steps:
     self.io.progress.update(t, cfg.train.steps, metrics_lib.rl_progress_text(
         row, acc[max(acc)] if acc else None, skipped_prompts=self.parts.source.draws.total))
     return self.after(t)
+
+  def pull(self):
+    """The next batch; a worker failure that leaves the trained state whole (every rollout
+    process lost: `StopWithCheckpoint`) first checkpoints the last completed step, the ring as
+    it is, and the failure names that step."""
+    try:
+      return self.pipe.pull()
+    except WorkerFailed as e:
+      cause = e.__cause__
+      if isinstance(cause, StopWithCheckpoint) and self.save(partial=True):
+        cause.saved(self.loop.step)
+      raise
 
   def after(self, t: int) -> bool:
     """Checkpoint and stop decisions after step `t`."""
@@ -232,11 +246,13 @@ class _Steps:
       self.loop.val_accuracy[vstep] = m["val/accuracy"]
       self.io.out.write({"phase": "val", "step": vstep, **m})
 
-  def save(self) -> None:
-    if self.io.ckpt is not None:
-      self.log_evaluations(self.evaluator.wait())  # every pass up to this step is logged first
-      self.loop.metrics_lines = len(self.io.out.rows)
-      self.loop.save(self.io.ckpt, self.state, self.pipe)
+  def save(self, partial: bool = False) -> bool:
+    """Checkpoints the last completed step (`partial`: `LoopState.save`); whether it is."""
+    if self.io.ckpt is None:
+      return False
+    self.log_evaluations(self.evaluator.wait())  # every pass up to this step is logged first
+    self.loop.metrics_lines = len(self.io.out.rows)
+    return self.loop.save(self.io.ckpt, self.state, self.pipe, partial)
 
   def summary(self) -> dict:
     acc = self.loop.val_accuracy

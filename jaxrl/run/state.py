@@ -44,9 +44,14 @@ class LoopState:
               f"{t.max_consecutive_skipped})")
     return None
 
-  def save(self, ckpt, train_state, pipeline) -> None:
-    """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline."""
-    ring, host = pipeline.state_dict()
+  def save(self, ckpt, train_state, pipeline, partial: bool = False) -> bool:
+    """Saves a checkpoint of step `self.step`: this record, `train_state` and the pipeline
+    (`partial`: its ring as it is, `LagPipeline.state_dict`). True when step `self.step` is
+    checkpointed then (saved now, or already); False when a partial ring cannot be saved."""
+    got = pipeline.state_dict(partial=True) if partial else pipeline.state_dict()
+    if got is None:
+      return False
+    ring, host = got
     replace, self.went_back = self.went_back, False
     ckpt.save(self.step, {"train": train_state, "ring": ring},
               {**host, "step": self.step, "metrics_lines": self.metrics_lines,
@@ -55,6 +60,7 @@ class LoopState:
                "consecutive_skipped": self.consecutive_skipped,
                "warmup": {k: json_num(x) for k, x in self.warmup.items()},
                "config": self.config}, replace=replace)
+    return True
 
   @staticmethod
   def restore_warmup(host: dict) -> dict:

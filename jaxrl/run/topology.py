@@ -31,6 +31,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl import parallel
 from jaxrl.config import MeshShape
@@ -113,11 +115,42 @@ class RemotePublisher:
   """To the rollout processes (`remote.Sender`): every version they will ask for crosses in the
   one program both sides launch; nothing is published in this process."""
 
-  def __init__(self, sender: remote.Sender, receiver: remote.Receiver, steps: int, lag: int):
+  def __init__(self, sender: remote.Sender, receiver: remote.Receiver, steps: int, lag: int,
+               mesh=None):
     self.sender, self.receiver, self.steps, self.lag = sender, receiver, steps, lag
+    # Versions kept in a checkpoint travel as bytes replicated on the train mesh.
+    self.replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
   def __call__(self, version: int, params):
     self.sender(version, params)
+    return None
+
+  def kept(self, versions) -> dict | None:
+    """What this process served of `versions`, as uint8 arrays on the train mesh, for a
+    checkpoint of a ring that is not full (`LagPipeline.state_dict(partial=True)`); None where
+    they would not come back whole: several train processes (each serves its own rows; a
+    replicated array holds one) or LoRA (a version of adapters alone needs the base a fresh
+    rollout process lacks)."""
+    versions = list(versions)
+    if versions and (self.replicated is None or len(self.sender.versions.trainers) != 1 or
+                     self.sender.versions.lora is not None):
+      return None
+    out = {}
+    for v in versions:
+      data = self.sender.served(v)
+      if data is None:
+        return None
+      out[v] = jax.device_put(np.frombuffer(data, np.uint8), self.replicated)
+    return out
+
+  def kept_target(self, shapes: dict) -> dict:
+    """The abstract arrays `kept`'s restore into, from their `[shape, dtype]` by version."""
+    return {v: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.replicated)
+            for v, (shape, dtype) in shapes.items()}
+
+  def replay(self, version: int, data) -> None:
+    """Serves a kept version again (`LagPipeline.republish`); nothing in this process."""
+    self.sender.replay(version, np.asarray(data).tobytes())
     return None
 
   def start(self, first_batch: int) -> None:
@@ -240,7 +273,8 @@ class Topology:
         producer.token_of = parallel.peers.WATCH.token_of
         parallel.peers.WATCH.listen(producer.lost, producer.back)
       # A signal that reaches a rollout process is said on the channel (`jaxrl.run.actor`).
-      return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag),
+      return Feed(producer, RemotePublisher(sender, producer, parts.cfg.train.steps, r.lag,
+                                            parts.mesh),
                   inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora,
                   stop_elsewhere=lambda: sender.channel.has("stop"))
     share = process_share(parts)
