@@ -129,11 +129,12 @@ class RemotePublisher:
     """What this process served of `versions`, as uint8 arrays on the train mesh, for a
     checkpoint of a ring that is not full (`LagPipeline.state_dict(partial=True)`); None where
     they would not come back whole: several train processes (each serves its own rows; a
-    replicated array holds one) or LoRA (a version of adapters alone needs the base a fresh
-    rollout process lacks)."""
+    replicated array holds one, and the train processes may hold different deliveries, so
+    none saves) or LoRA where older versions are needed (a version of adapters alone needs the
+    base a fresh rollout process lacks)."""
     versions = list(versions)
-    if versions and (self.replicated is None or len(self.sender.versions.trainers) != 1 or
-                     self.sender.versions.lora is not None):
+    if self.replicated is None or len(self.sender.versions.trainers) != 1 or \
+        (versions and self.sender.versions.lora is not None):
       return None
     out = {}
     for v in versions:
