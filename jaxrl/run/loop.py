@@ -214,12 +214,13 @@ class _Steps:
   def pull(self):
     """The next batch; a worker failure that leaves the trained state whole (every rollout
     process lost: `StopWithCheckpoint`) first checkpoints the last completed step, the ring as
-    it is, and the failure names that step."""
+    it is, and the failure names that step (none before the first: the rerun starts over)."""
     try:
       return self.pipe.pull()
     except WorkerFailed as e:
       cause = e.__cause__
-      if isinstance(cause, StopWithCheckpoint) and self.save(partial=True):
+      if isinstance(cause, StopWithCheckpoint) and self.loop.step > 0 and \
+          self.save(partial=True):
         cause.saved(self.loop.step)
       raise
 
