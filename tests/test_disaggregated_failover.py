@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from jaxrl.runtime.checkpoint import Checkpointer
 from processes import communicate, free_port
 from test_distributed import _env
 from test_multiprocess_rollouts import same_metrics
@@ -154,6 +155,14 @@ def test_every_rollout_process_lost_stops_with_one_line_and_the_rerun_resumes(tm
       "same command on every process to resume from it", lines[0]), lines
   # Dropped after a silence of the timeout, then waited for as long again.
   assert 2 * PEER_TIMEOUT_S <= waited < 2 * PEER_TIMEOUT_S + 60, waited
+  # The only checkpoint: step T's, whose undelivered batches (from the first the gate gave
+  # back) need the params versions b - L below the newest, T, saved with it.
+  with Checkpointer(str(run / "checkpoints"), read_only=True) as ckpt:
+    assert ckpt.all_steps() == [stopped]
+    _, host = ckpt.read_host(stopped)
+  first = host["gate"]["submitted"]
+  assert sorted(map(int, host["versions"])) == list(range(max(0, first - lag), stopped))
+  assert host["versions"]  # the trainer waited for batch T: T - L .. T - 1 were needed
   outs = communicate(_start(run, extra=extra), 600)
   assert f"resumed from step {stopped} " in outs[0], outs[0]
   rows = _rows(run)

@@ -118,8 +118,9 @@ class RemotePublisher:
   def __init__(self, sender: remote.Sender, receiver: remote.Receiver, steps: int, lag: int,
                mesh=None):
     self.sender, self.receiver, self.steps, self.lag = sender, receiver, steps, lag
-    # Versions kept in a checkpoint travel as bytes replicated on the train mesh.
-    self.replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    # Versions kept in a checkpoint are bytes split over every train device (a replicated copy
+    # would put a whole params version on each device).
+    self.split = None if mesh is None else NamedSharding(mesh, PartitionSpec(mesh.axis_names))
 
   def __call__(self, version: int, params):
     self.sender(version, params)
@@ -133,25 +134,32 @@ class RemotePublisher:
     none saves) or LoRA where older versions are needed (a version of adapters alone needs the
     base a fresh rollout process lacks)."""
     versions = list(versions)
-    if self.replicated is None or len(self.sender.versions.trainers) != 1 or \
+    if self.split is None or len(self.sender.versions.trainers) != 1 or \
         (versions and self.sender.versions.lora is not None):
       return None
-    out = {}
+    out, devices = {}, self.split.mesh.devices.size
     for v in versions:
       data = self.sender.served(v)
       if data is None:
         return None
-      out[v] = jax.device_put(np.frombuffer(data, np.uint8), self.replicated)
+      # Its length first (8 bytes), then the bytes, zero-padded to a multiple of the devices.
+      n = 8 + len(data)
+      flat = np.zeros(-(-n // devices) * devices, np.uint8)
+      flat[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+      flat[8:n] = np.frombuffer(data, np.uint8)
+      out[v] = jax.device_put(flat, self.split)
     return out
 
   def kept_target(self, shapes: dict) -> dict:
     """The abstract arrays `kept`'s restore into, from their `[shape, dtype]` by version."""
-    return {v: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.replicated)
+    return {v: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.split)
             for v, (shape, dtype) in shapes.items()}
 
   def replay(self, version: int, data) -> None:
     """Serves a kept version again (`LagPipeline.republish`); nothing in this process."""
-    self.sender.replay(version, np.asarray(data).tobytes())
+    flat = np.asarray(data)
+    n = int.from_bytes(flat[:8].tobytes(), "little")
+    self.sender.replay(version, flat[8:8 + n].tobytes())
     return None
 
   def start(self, first_batch: int) -> None:
