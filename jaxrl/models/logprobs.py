@@ -33,7 +33,7 @@ def segment_positions(segment: jax.Array) -> jax.Array:
   """Positions [B, T] of rows holding several causal sequences one after another: `segment`
   [B, T] int32 is each token's sequence (-1: padding; the ids of real tokens never decrease
   along a row), and each sequence counts its positions from 0 at its first real token
-  (padding gets 0). A row of one segment gets `left_positions`."""
+  (padding gets 0). A row of one segment gets `left_positions` at its real tokens."""
   real = segment >= 0
   count = jnp.cumsum(real.astype(jnp.int32), axis=-1)  # real tokens up to and including i
   seen = jax.lax.cummax(jnp.where(real, segment, -1), axis=segment.ndim - 1)

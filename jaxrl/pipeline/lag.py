@@ -141,8 +141,8 @@ class LagPipeline:
 
     `partial`: the ring as it is, not full (its worker failed or waits on rollouts that will not
     come; `LagGate.delivered`): the undelivered batches are made again after a resume, from the
-    params versions the forced lag gives them, older than the newest where L > 1, so those
-    versions are saved too (`kept`, the publisher's copies of what it published). None when the
+    params versions the forced lag gives them, older than the newest (b - L for an undelivered
+    batch b), so those versions are saved too (`kept`, the publisher's copies of what it published). None when the
     publisher keeps no such copies (the caller saves nothing)."""
     if not partial:
       items, gate = self.gate.quiesce(self.gate.stall_timeout_s), None

@@ -129,9 +129,9 @@ class RemotePublisher:
   def kept(self, versions) -> dict | None:
     """What this process served of `versions`, as uint8 arrays on the train mesh, for a
     checkpoint of a ring that is not full (`LagPipeline.state_dict(partial=True)`); None where
-    they would not come back whole: several train processes (each serves its own rows; a
-    replicated array holds one, and the train processes may hold different deliveries, so
-    none saves) or LoRA where older versions are needed (a version of adapters alone needs the
+    they would not come back whole: several train processes (each serves its own rows of a
+    version, which one array cannot hold, and each may have received other parts, so none
+    saves) or LoRA where older versions are needed (a version of adapters alone needs the
     base a fresh rollout process lacks)."""
     versions = list(versions)
     if self.split is None or len(self.sender.versions.trainers) != 1 or \
