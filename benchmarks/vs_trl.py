@@ -212,6 +212,46 @@ def make_model(out_dir: str) -> dict:
 
 # -- the TRL side (run under the TRL Python) -----------------------------------------------------
 
+def step_timer(callback_base, started: float, on_step=None):
+  """A TRL `TrainerCallback` (`callback_base`: transformers' class, from the TRL venv) timing
+  each optimiser step, `on_step_begin` to `on_step_end` (generation included: GRPO generates
+  inside `training_step`), into `.times`. The first step's end is printed as `FIRST_STEP_LINE`
+  (seconds since `started`, a `time.time()`); `on_step(timer)` runs after each step."""
+
+  class StepTimes(callback_base):
+    def __init__(self):
+      self.begin, self.times, self.first_done = None, [], None
+
+    def on_step_begin(self, args, state, control, **kw):
+      self.begin = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+      self.times.append(time.perf_counter() - self.begin)
+      if self.first_done is None:
+        self.first_done = time.time()
+        print(f"{FIRST_STEP_LINE} {self.first_done - started:.1f} s after start", flush=True)
+      if on_step is not None:
+        on_step(self)
+
+  return StepTimes()
+
+
+def time_rollouts(trainer) -> list[float]:
+  """Wraps `trainer._generate_and_score_completions` (generation, decoding, reward, advantages:
+  TRL's rollout part of a step); returns the list each call's seconds are appended to."""
+  times: list[float] = []
+  generate = trainer._generate_and_score_completions
+
+  def timed_generate(*a, **kw):
+    t0 = time.perf_counter()
+    out = generate(*a, **kw)
+    times.append(time.perf_counter() - t0)
+    return out
+
+  trainer._generate_and_score_completions = timed_generate
+  return times
+
+
 def trl_worker(model_dir: str, out_file: str, steps: int, seed: int) -> None:
   """One TRL GRPO run; writes per-step times, rollout times, rewards and TRL's own logs as JSON."""
   started = time.time()
@@ -230,22 +270,6 @@ def trl_worker(model_dir: str, out_file: str, steps: int, seed: int) -> None:
     per_call.append({"reward": sum(rewards) / len(rewards),
                      "chars": sum(map(len, completions)) / len(completions)})
     return rewards
-
-  class StepTimes(TrainerCallback):
-    """Wall time of each optimiser step: `on_step_begin` to `on_step_end` (generation included:
-    GRPO generates inside `training_step`)."""
-
-    def __init__(self):
-      self.begin, self.times, self.first_done = None, [], None
-
-    def on_step_begin(self, args, state, control, **kw):
-      self.begin = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kw):
-      self.times.append(time.perf_counter() - self.begin)
-      if self.first_done is None:
-        self.first_done = time.time()
-        print(f"{FIRST_STEP_LINE} {self.first_done - started:.1f} s after start", flush=True)
 
   dataset = datasets.Dataset.from_list([{"prompt": p} for p, _ in rows])
   tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -266,19 +290,10 @@ def trl_worker(model_dir: str, out_file: str, steps: int, seed: int) -> None:
       # TRL's own defaults are bf16=True and gradient_checkpointing=True: the workload is f32
       # without recomputation on both sides.
       bf16=False, fp16=False, gradient_checkpointing=False)
-  timer = StepTimes()
+  timer = step_timer(TrainerCallback, started)
   trainer = trl.GRPOTrainer(model=model, reward_funcs=partial_reward, args=args,
                             train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
-  rollout_s: list[float] = []
-  generate = trainer._generate_and_score_completions
-
-  def timed_generate(*a, **kw):
-    t0 = time.perf_counter()
-    out = generate(*a, **kw)
-    rollout_s.append(time.perf_counter() - t0)
-    return out
-
-  trainer._generate_and_score_completions = timed_generate
+  rollout_s = time_rollouts(trainer)
   t0 = time.perf_counter()
   trainer.train()
   train_s = time.perf_counter() - t0

@@ -8,7 +8,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+  _flags = os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+# XLA's LLVM optimisation level 1, what a run sets on a CPU by default (`xla_cpu_opt_level`;
+# `jaxrl.runtime.compile_cache`), for the programs the tests compile in this process too: the
+# suite is mostly compilation, and level 1 compiles faster than XLA's default 3.
+if "--xla_backend_optimization_level" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=1"
 
 # Runs in tests warm up for real unless a test names an `sft.cache` directory (the default "auto"
 # reads this variable; set and empty means off), so no test depends on another's warm-up.
@@ -18,6 +23,12 @@ import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
 from jaxrl.models import ModelConfig  # noqa: E402
+from jaxrl.runtime import compile_cache  # noqa: E402
+
+# The persistent compilation cache a run uses ("auto": $JAX_COMPILATION_CACHE_DIR, else
+# ~/.cache/jaxrl/xla), for every test of this process from the start: the same program compiled
+# by another test, or by the other xdist worker, loads from disk instead of compiling again.
+compile_cache.enable("auto")
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

@@ -96,6 +96,13 @@ def _batch(prompts, pvalid, tokens, valid, mask, seg=None, rollout=None):
 
 def test_every_pass_scores_each_sequence_as_a_row_of_its_own(model):
   graphdef, params = model
+
+  def logprobs(batch, cfg=StepConfig(), packed=None):
+    # Jitted (one program per pass; op by op each small op would compile on its own).
+    run = lambda params, batch: completion_logprobs(graphdef, params, batch, cfg,
+                                                    with_entropy=False, packed=packed)
+    return jax.jit(run)(params, batch)
+
   (prompts, pvalid, tokens, valid, mask, seg), alone = _rows(np.random.default_rng(0), 4, 6, 24)
   # The reference: each sequence as its own row (left-padded prompt, its reply).
   lp, n = 8, 4
@@ -104,27 +111,23 @@ def test_every_pass_scores_each_sequence_as_a_row_of_its_own(model):
   for r, (_, _, p, reply) in enumerate(alone):
     ap[r, lp - len(p):], av[r, lp - len(p):] = p, True
     at[r, :len(reply)], am[r, :len(reply)] = reply, True
-  ref, _ = completion_logprobs(graphdef, params, _batch(ap, av, at, am, am), StepConfig(),
-                               with_entropy=False)
+  ref, _ = logprobs(_batch(ap, av, at, am, am))
   want = np.zeros(tokens.shape, np.float32)
   for r, (i, start, _, reply) in enumerate(alone):
     want[i, start:start + len(reply)] = np.asarray(ref)[r, :len(reply)]
 
   batch = _batch(prompts, pvalid, tokens, valid, mask, seg)
-  per_row, _ = completion_logprobs(graphdef, params, batch, StepConfig(), with_entropy=False)
-  shared, _ = completion_logprobs(graphdef, params, batch, StepConfig(shared_prompts=2),
-                                  with_entropy=False)
+  per_row, _ = logprobs(batch)
+  shared, _ = logprobs(batch, StepConfig(shared_prompts=2))
   streams = packing.capacity(4, 6, 24, 32)
   packed = packing.pack(prompts, pvalid, tokens, valid, batch.temperature, group=0, budget=32,
                         streams=streams, segment=seg)
-  by_packing, _ = completion_logprobs(graphdef, params, batch, StepConfig(),
-                                      with_entropy=False, packed=(packed, 0, streams))
+  by_packing, _ = logprobs(batch, packed=(packed, 0, streams))
   for got in (per_row, shared, by_packing):
     got = np.where(mask, np.asarray(got), 0.0)
     np.testing.assert_allclose(got, want, atol=2e-5)
   # Not vacuous: the same rows read as one sequence each score the later replies otherwise.
-  flat, _ = completion_logprobs(graphdef, params, batch._replace(completion_segment=None),
-                                StepConfig(), with_entropy=False)
+  flat, _ = logprobs(batch._replace(completion_segment=None))
   later = mask & (seg > 0)
   assert np.abs(np.asarray(flat)[later] - want[later]).max() > 1e-2
   assert np.abs(want[mask]).min() > 0  # every trained token was scored

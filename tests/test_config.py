@@ -121,7 +121,7 @@ def test_int_is_accepted_where_float_is_expected():
     ("rollout.top_p", 0.0, "must be in (0, 1], got 0.0"),
     ("train.b2", 1.0, "must be in [0, 1), got 1.0"),
     ("loss.eps_high", float("nan"), "must be finite, got nan"),
-    ("rollout.lag", -1, "must be >= 0, got -1"),
+    ("rollout.lag", -1, "must be >= 0 or 'auto', got -1"),
     ("rollout.stall_timeout_s", 0.0, "must be >= 1.0"),
     ("rollout.max_regenerations", -2, "must be >= 0"),
     ("rollout.partial_rollouts", True, "needs config.rollout.engine = 'continuous'"),

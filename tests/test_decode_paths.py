@@ -2,6 +2,8 @@
 decode_attention`) gives today's dense decode's tokens and log-probs, in the static sampler and
 in the continuous engine (slots refilling, params switched mid-rollout)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from conftest import tiny_model_config
 from jaxrl.models import init_model
 from jaxrl.models.model_config import resolve_decode_attention
+from jaxrl.models.transformer import abstract_model
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.static_sampler import make_sampler
 
@@ -26,8 +29,14 @@ def _left_pad(prompts):
   return tokens, tokens > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _params(seed):
+  # The weights do not depend on the decode implementation: built once per seed.
+  return init_model(tiny_model_config(), seed)[1]
+
+
 def _model(impl, seed=0):
-  return init_model(tiny_model_config(decode_attention=impl), seed)
+  return abstract_model(tiny_model_config(decode_attention=impl))[0], _params(seed)
 
 
 def _static(impl, sampling):

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,13 +101,45 @@ MACHINE_PATH = re.compile(
 ALLOWED = ("tests/fixtures/",)
 
 
-def tracked_text_files() -> list[Path]:
+def _git_files(root: Path, *flags: str) -> list[str]:
   try:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split("\n")
+    return [p for p in subprocess.run(["git", "ls-files", *flags], cwd=root, capture_output=True,
+                                      text=True, check=True).stdout.split("\n") if p]
   except (OSError, subprocess.CalledProcessError):
     pytest.skip("not a git checkout")
-  return [ROOT / p for p in out if p and not p.startswith(ALLOWED) and (ROOT / p).is_file()]
+
+
+def checked_text_files(root: Path = ROOT) -> list[Path]:
+  """The files the machine-path check reads: the tracked ones (staged included), and untracked
+  ones in a top-level folder that holds tracked files (a new doc or module before `git add`;
+  what the repo's own tools write there). Never the checkout's other untracked things: a
+  virtualenv of any name (its scripts hold absolute paths), a user's run directories."""
+  tracked = _git_files(root)
+  folders = {p.split("/", 1)[0] for p in tracked if "/" in p}
+  untracked = [p for p in _git_files(root, "-o", "--exclude-standard")
+               if "/" in p and p.split("/", 1)[0] in folders]
+  return [root / p for p in tracked + untracked if not p.startswith(ALLOWED) and
+          (root / p).is_file() and not _in_virtualenv(root, p)]
+
+
+def _in_virtualenv(root: Path, path: str) -> bool:
+  """`path` lies under a folder holding `pyvenv.cfg` (a virtualenv, whatever its name)."""
+  parts = path.split("/")[:-1]
+  return any((root.joinpath(*parts[:i]) / "pyvenv.cfg").is_file() for i in range(1, len(parts) + 1))
+
+
+def machine_paths(root: Path = ROOT) -> list[str]:
+  """`file:line: text` of every line of `checked_text_files(root)` naming a machine path."""
+  bad = []
+  for path in checked_text_files(root):
+    try:
+      text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+      continue  # binary
+    for lineno, line in enumerate(text.splitlines(), 1):
+      if MACHINE_PATH.search(line):
+        bad.append(f"{path.relative_to(root)}:{lineno}: {line.strip()[:120]}")
+  return bad
 
 
 def test_machine_path_pattern():
@@ -119,18 +152,37 @@ def test_machine_path_pattern():
 
 
 def test_no_absolute_machine_paths():
-  bad = []
-  for path in tracked_text_files():
-    try:
-      text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-      continue  # binary
-    for lineno, line in enumerate(text.splitlines(), 1):
-      m = MACHINE_PATH.search(line)
-      if m:
-        bad.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}")
+  bad = machine_paths()
   assert not bad, "absolute machine paths (use a flag, an environment variable or a relative " \
       "path):\n" + "\n".join(bad)
+
+
+VENV_NAMES = ("venv", ".venv", "env", ".env", "ENV", "env.bak", "venv.bak")
+
+
+def test_a_virtualenv_in_the_checkout_is_not_read(tmp_path):
+  # A checkout (without the repo's .gitignore) with a virtualenv made in it as `venv/`, and a
+  # copy inside a tracked folder: their scripts hold the checkout's absolute path, and the check
+  # must read neither. A machine path in a tracked file, or in a new untracked doc, is found.
+  sep = "/"
+  subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "guide.md").write_text("run `. .venv/bin/activate` first\n")
+  (tmp_path / "docs" / "old.md").write_text(f"see {sep}home{sep}me{sep}notes\n")
+  subprocess.run(["git", "add", "docs"], cwd=tmp_path, check=True)
+  (tmp_path / "docs" / "draft.md").write_text(f"x {sep}work{sep}y\n")
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                 check=True)
+  shutil.copytree(tmp_path / "venv", tmp_path / "docs" / "sandbox", symlinks=True)
+  activate = (tmp_path / "venv" / "bin" / "activate").read_text()
+  assert MACHINE_PATH.search(activate), "the venv's script names its absolute path"
+  assert sorted(machine_paths(tmp_path)) == [f"docs/draft.md:1: x {sep}work{sep}y",
+                                             f"docs/old.md:1: see {sep}home{sep}me{sep}notes"]
+  # The usual names are ignored by the repo's .gitignore, so git lists none of their files.
+  listed = subprocess.run(["git", "check-ignore", "--no-index", *[f"{n}/bin/activate"
+                                                                  for n in VENV_NAMES]],
+                          cwd=ROOT, capture_output=True, text=True).stdout.split()
+  assert listed == [f"{n}/bin/activate" for n in VENV_NAMES]
 
 
 def runnable_blocks() -> list[tuple[str, str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import sys
 import threading
 
@@ -147,10 +148,11 @@ def test_register_refuses_to_replace_a_grader():
 
 
 def test_built_in_tasks_register_once_with_their_sources():
-  assert envs.task_names() == ("add", "countdown", "guess", "math")
+  assert envs.task_names() == ("add", "countdown", "guess", "math", "word_math")
   assert {n: r.env for n, r in envs.TASKS.items()} == {
       "add": envs.AddEnvironment, "countdown": envs.CountdownEnvironment,
-      "guess": envs.GuessEnvironment, "math": envs.MathEnvironment}
+      "guess": envs.GuessEnvironment, "math": envs.MathEnvironment,
+      "word_math": envs.WordMathEnvironment}
   assert [n for n, r in envs.TASKS.items() if r.demonstrations] == ["add"]
   from jaxrl.recipes.default import get_config
   cfg = get_config()
@@ -589,3 +591,25 @@ def test_char_tokenizer_decode_stops_at_eos_and_drops_padding():
   assert tok.decode(np.array([0, 3, 0, 4], np.int32)) == "12"  # padding anywhere is dropped
   assert tok.decode(np.array([1, 3], np.int64)) == "" and tok.decode([]) == ""
   assert tok.decode(tok.encode("07+35=")) == "07+35="
+
+
+def test_word_math_holds_out_the_arithmetic_and_grades_real_replies():
+  src = envs.WordProblemSource(num_digits=2, seed=0, dev_size=50, val_size=100)
+  def problem(t):  # the two operands and the answer, whatever the wording
+    return tuple(int(x) for x in re.findall(r"\d+", t.prompt)) + (t.data["answer"],)
+  train, val = src.split("train"), src.split("val")
+  # 90 * 90 sums + 90 * 91 / 2 differences a >= b of 2-digit numbers = 8,100 + 4,095.
+  assert len(train) + len(val) + len(src.split("dev")) == 12195
+  assert not {problem(t) for t in val} & {problem(t) for t in train}
+  assert all(int(t.data["answer"]) >= 0 for t in train)
+  env = envs.WordMathEnvironment(use_math_verify=False)
+  t = val[0]
+  a = t.data["answer"]
+  replies = [f"So the total is {a}.", f"{a} - 1 = {int(a) - 1}", f"The answer is \\boxed{{{a}}}"]
+  turns = [envs.Turn(task=t, turn=0, response=r, truncated=False) for r in replies]
+  assert list(env.step(turns).rewards) == [1.0, 0.0, 1.0]
+  # Operands 1..30: 30 * 30 sums + 30 * 31 / 2 differences a >= b = 900 + 465.
+  small = envs.WordProblemSource(max_operand=30, dev_size=100, val_size=200)
+  rows = small.split("train") + small.split("val") + small.split("dev")
+  assert len(rows) == 1365
+  assert max(max(problem(t)[:2]) for t in rows) == 30

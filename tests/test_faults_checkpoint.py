@@ -1,7 +1,8 @@
 """A checkpoint that cannot be restored, for any reason, is passed over for the one before it.
 
-The decision comes from the restore itself, which reads every array: a checkpoint whose array data
-files were cut short passes every check made without reading the arrays (`step_problem`), and
+The decision comes from the restore itself, which reads and hashes every array: a checkpoint
+whose array bytes were damaged but still decode is found by the array digests (`digest`), and
+one whose array data files were cut short passes every check made without reading the arrays (`step_problem`), and
 its restore then fails inside TensorStore (Orbax wraps that error in a bare `Exception`). The run
 names it in one line, resumes from the checkpoint before it and continues exactly as a run
 resumed from that checkpoint does; its next save replaces the passed-over steps.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -129,6 +131,52 @@ def test_a_checkpoint_whose_restore_fails_is_passed_over(tmp_path, capsys):
   assert [r["step"] for r in _rl_rows(damaged)] == list(range(1, 17))
   assert _rl_rows(damaged) == _rl_rows(ref)
   # Its saves replaced the passed-over history: the newest checkpoint is the run's own.
+  assert checkpoint.complete_steps(str(damaged / "checkpoints"))[-1] == 16
+
+
+def _flip_a_byte_of_the_largest_array_file(step_dir) -> str:
+  """Flips one bit of the middle byte of the step's largest array data file (zstd-compressed
+  array bytes: it still decodes, to other values, so only the digests can tell)."""
+  paths = glob.glob(os.path.join(str(step_dir), "state", "ocdbt.process_*", "d", "*"))
+  path = max(paths, key=os.path.getsize)
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x10
+    f.seek(0)
+    f.write(bytes(data))
+  return path
+
+
+@pytest.mark.slow  # three short runs (~40 s on 2 cores)
+def test_a_flipped_byte_in_the_newest_checkpoint_is_passed_over(tmp_path, capsys):
+  # The issue's case: a lag-2 run stopped at step 12 (checkpoints 5, 10, 12); one byte in the
+  # middle of an array file of checkpoint 12 is flipped. Every file is still there and decodes,
+  # so only the array digests find it: the run names the step and the array in one line and
+  # continues exactly like a run resumed from checkpoint 10 (before digests it resumed from 12
+  # and trained on the damaged arrays).
+  base = tmp_path / "base"
+  assert _run(base, 16, stop_after=12)["rl/stopped_at"] == 12
+  ref = tmp_path / "ref"
+  shutil.copytree(base, ref)
+  shutil.rmtree(ref / "checkpoints" / "12")
+  damaged = tmp_path / "damaged"
+  shutil.copytree(base, damaged)
+  _flip_a_byte_of_the_largest_array_file(damaged / "checkpoints" / "12")
+  assert checkpoint.step_problem(str(damaged / "checkpoints"), 12) is None
+
+  assert _run(ref, 16)["resumed_from_step"] == 10
+  capsys.readouterr()
+  summary = _run(damaged, 16)
+  said = capsys.readouterr()
+  assert summary["resumed_from_step"] == 10
+  lines = [ln for ln in said.out.splitlines() if "checkpoints/12" in ln]
+  assert len(lines) == 1, said.out
+  assert re.fullmatch(r"jaxrl: checkpoint \S+/checkpoints/12 is unreadable: array train/\S+ does "
+                      r"not match its digest \(crc32 \w{8}, saved \w{8}\): its bytes were "
+                      r"damaged after the save; trying the one before it", lines[0]), lines[0]
+  assert "Traceback" not in said.err, said.err
+  assert [r["step"] for r in _rl_rows(damaged)] == list(range(1, 17))
+  assert _rl_rows(damaged) == _rl_rows(ref)
   assert checkpoint.complete_steps(str(damaged / "checkpoints"))[-1] == 16
 
 

@@ -15,6 +15,7 @@ from conftest import tiny_model_config
 from jaxrl.kernels import decode_attention as da
 from jaxrl.models import init_model
 from jaxrl.models.model_config import KVCache, resolve_kv_cache_dtype
+from jaxrl.models.transformer import abstract_model
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.precision import rollout_model
 from jaxrl.rollout.static_sampler import make_sampler
@@ -32,13 +33,15 @@ def _left_pad(prompts):
   return tokens, tokens > 0
 
 
+@functools.lru_cache(maxsize=None)
 def _params():
+  # Built once: every cache dtype reads the same float32 weights.
   return init_model(tiny_model_config(vocab_size=64, init_std=0.3), 0)[1]
 
 
 def _sampler(kv, impl="dense"):
-  graphdef, _ = init_model(tiny_model_config(vocab_size=64, init_std=0.3, kv_cache_dtype=kv,
-                                             decode_attention=impl), 0)
+  graphdef, _ = abstract_model(tiny_model_config(vocab_size=64, init_std=0.3, kv_cache_dtype=kv,
+                                                 decode_attention=impl))
   return make_sampler(graphdef, num_samples=G, max_new_tokens=N, eos_id=EOS, pad_id=0)
 
 
@@ -86,13 +89,14 @@ def test_rollout_model_on_cpu_is_the_trainers_model():
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_caches_are_of_that_dtype(kv):
-  # The static sampler's prefill cache and the engine's slot cache, through their public seams.
+  # The static sampler's prefill cache and the engine's slot cache, through their public seams,
+  # traced for their types (jax.eval_shape: the dtypes and shapes a run returns, no compile).
   gen = _sampler(kv)
-  cache, _, _ = gen.prefill(_params(), *_left_pad(PROMPTS))
+  cache, _, _ = jax.eval_shape(gen.prefill, _params(), *_left_pad(PROMPTS))
   assert cache.k.dtype == cache.v.dtype == jnp.dtype(kv)
-  engine = Engine(init_model(tiny_model_config(vocab_size=64, kv_cache_dtype=kv), 0)[0],
+  engine = Engine(abstract_model(tiny_model_config(vocab_size=64, kv_cache_dtype=kv))[0],
                   num_slots=2, max_prompt_len=LP, max_new_tokens=N, eos_id=EOS, pad_id=0)
-  state = engine.init_decode_state(_params())
+  state = jax.eval_shape(engine.init_decode_state, _params())
   assert state.cache.k.dtype == state.cache.v.dtype == jnp.dtype(kv)
   per_position_row = sum(x.dtype.itemsize * x.size for x in (cache.k, cache.v)) // (
       cache.valid.size)

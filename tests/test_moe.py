@@ -5,6 +5,7 @@ compiled FLOPs that scale with top-k."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,33 +95,42 @@ def test_aux_loss_arithmetic():
   assert float(moe.aux_loss(skew, 4)) == pytest.approx(4.0)
 
 
-def test_padding_is_not_counted_in_router_statistics():
+# One model (scanned layers) and one token shape for the model-level tests below: the scanned
+# forward, the unrolled forward, routing replay and its gradient each compile once.
+TOKENS = jnp.arange(20).reshape(2, 10) * 3 % 64
+POS = jnp.broadcast_to(jnp.arange(10), (2, 10))
+
+
+@pytest.fixture(scope="module")
+def moe_model():
   cfg = tiny()
-  graphdef, params = init_model(cfg, 0)
-  tokens = jnp.arange(16).reshape(2, 8) % cfg.vocab_size
-  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-  valid = jnp.arange(8)[None, :] < jnp.array([[8], [5]])
+  graphdef, params = init_model(cfg, 7)
+  g_unrolled, _ = abstract_model(dataclasses.replace(cfg, scan_layers=False))
+  return cfg, graphdef, g_unrolled, params
 
-  def run(params):
-    model = nnx.merge(graphdef, params)
-    model(tokens, pos, valid)
-    return moe.pop_router_stats(model)
 
-  (stats,) = run(params)
+@functools.partial(jax.jit, static_argnums=0)
+def moe_forward(graphdef, params, valid, routing=None):
+  model = nnx.merge(graphdef, params)
+  hidden, _ = model(TOKENS, POS, valid, routing=routing)
+  (stats,) = moe.pop_router_stats(model)
+  return hidden, stats
+
+
+def test_padding_is_not_counted_in_router_statistics(moe_model):
+  cfg, graphdef, _, params = moe_model
+  valid = jnp.arange(10)[None, :] < jnp.array([[8], [5]])
+  _, stats = moe_forward(graphdef, params, valid)
   assert stats.tokens.shape == (cfg.num_layers,)
   np.testing.assert_array_equal(stats.tokens, [13.0, 13.0])
   np.testing.assert_allclose(stats.counts.sum(-1), [26.0, 26.0])
   np.testing.assert_allclose(stats.probs.sum(-1), [13.0, 13.0], rtol=1e-6)
 
 
-def test_scanned_and_unrolled_moe_models_agree():
-  cfg = tiny()
-  graphdef, params = init_model(cfg, 3)
-  g_unrolled, _ = abstract_model(dataclasses.replace(cfg, scan_layers=False))
-  tokens = jnp.arange(18).reshape(2, 9) * 5 % cfg.vocab_size
-  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
-  valid = jnp.ones((2, 9), bool)
-  out = [nnx.merge(g, params)(tokens, pos, valid)[0] for g in (graphdef, g_unrolled)]
+def test_scanned_and_unrolled_moe_models_agree(moe_model):
+  _, graphdef, g_unrolled, params = moe_model
+  valid = jnp.ones((2, 10), bool)
+  out = [moe_forward(g, params, valid)[0] for g in (graphdef, g_unrolled)]
   np.testing.assert_allclose(out[0], out[1], atol=1e-6)
 
 
@@ -163,6 +173,7 @@ def test_compiled_flops_scale_with_top_k():
   assert f2 <= 0.4 * f8, (f2, f8, f2 / f8)
 
 
+@pytest.mark.slow  # fast-suite time budget (the MoE forward and gradient: tests above)
 def test_experts_sharded_over_eight_devices_match_one(devices):
   """Experts split over 'fsdp' (2 data x 4 fsdp: two experts per device), rows over both batch
   axes: the loss, the load-balancing loss and every gradient match one device's within 1e-5."""
@@ -212,26 +223,23 @@ def test_qwen3_30b_a3b_preset_counts():
   assert active == 3_353_032_704
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_routing_replay(scan):
+# Scanned layers in the slow step (fast-suite time budget); scanned and unrolled MoE models agree
+# in test_scanned_and_unrolled_moe_models_agree.
+@pytest.mark.parametrize("scan", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_routing_replay(scan, moe_model):
   """Replaying the model's own routing changes nothing (mismatch 0); replaying other experts
   changes the output, counts exactly the tokens whose expert set differs, and the router still
   gets a gradient."""
-  cfg = tiny(scan_layers=scan, num_experts_per_tok=2)
-  graphdef, params = init_model(cfg, 7)
-  tokens = jnp.arange(20).reshape(2, 10) * 3 % cfg.vocab_size
-  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  cfg, g_scanned, g_unrolled, params = moe_model
+  graphdef = g_scanned if scan else g_unrolled
   valid = jnp.arange(10)[None, :] < jnp.array([[10], [6]])
 
   def forward(params, routing=None):
-    model = nnx.merge(graphdef, params)
-    hidden, _ = model(tokens, pos, valid, routing=routing)
-    (stats,) = moe.pop_router_stats(model)
-    return hidden, stats
+    return moe_forward(graphdef, params, valid, routing)
 
-  hidden, own = jax.jit(forward)(params)
+  hidden, own = forward(params)
   assert own.experts.shape == (cfg.num_layers, 2, 10, 2)
-  again, stats = jax.jit(forward)(params, own.experts)
+  again, stats = forward(params, own.experts)
   np.testing.assert_allclose(again, hidden, atol=1e-6)
   assert float(moe.routing_mismatch(stats)[0]) == 0.0
 
@@ -239,13 +247,13 @@ def test_routing_replay(scan):
   # token-layers differ (the order within a token's k does not count).
   other = own.experts.at[0, 0].set((own.experts[0, 0] + 1) % cfg.num_experts)
   swapped = own.experts.at[1].set(own.experts[1][..., ::-1])
-  replayed, stats = jax.jit(forward)(params, other.at[1].set(swapped[1]))
+  replayed, stats = forward(params, other.at[1].set(swapped[1]))
   overall, per_layer = moe.routing_mismatch(stats)
   np.testing.assert_allclose(per_layer, [10 / 16, 0.0])
   assert float(overall) == pytest.approx(10 / 32)
   assert float(jnp.abs(replayed - hidden).max()) > 1e-4
 
-  grad = jax.grad(lambda p: jnp.sum(forward(p, other)[0] ** 2))(params)
+  grad = jax.jit(jax.grad(lambda p: jnp.sum(forward(p, other)[0] ** 2)))(params)
   assert float(jnp.abs(grad["router"][...]).max()) > 0
 
 

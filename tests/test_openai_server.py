@@ -3,9 +3,11 @@ tools, streamed and not) and completions parse in the client's types, the return
 decode to the returned text, the log-probs equal the trainer's recompute, and bad requests get
 OpenAI error objects while the server keeps serving."""
 
+import functools
 import json
 
 import httpx
+import jax
 import numpy as np
 import pytest
 
@@ -92,8 +94,15 @@ def _recompute(graphdef, params, rows, temperature):
     tokens[i, :len(c)], mask[i, :len(c)] = c, True
   batch = TrainBatch(prompts, valid, tokens, mask, np.zeros((b, N), np.float32),
                      np.zeros(b, np.float32), np.arange(b), np.full(b, temperature, np.float32))
-  logp, _ = completion_logprobs(graphdef, params, batch, StepConfig(), with_entropy=False)
+  logp, _ = _jitted_logprobs(graphdef)(params, batch)
   return np.asarray(logp), mask
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_logprobs(graphdef):
+  # One program for both temperatures (a batch field), not a compile per small op.
+  return jax.jit(lambda params, batch: completion_logprobs(graphdef, params, batch, StepConfig(),
+                                                           with_entropy=False))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -1,5 +1,6 @@
 """Token-budget packing (`train.packing`): the layout, and a packed step equal to the unpacked one."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -87,22 +88,33 @@ def _batch(rows, group, lp, n, vocab, seed=0):
       temperature=np.full(rows, 0.9, np.float32))
 
 
-@pytest.mark.parametrize("mesh_shape,budget", [((1, 1, 1), 16), ((1, 1, 1), 23),
-                                               ((1, 1, 1), 300), ((2, 1, 1), 23),
-                                               ((1, 4, 1), 40)])
-def test_packed_step_equals_unpacked(devices, mesh_shape, budget):
-  """Gradients (SGD with rate 1: new params = params - gradient) and every metric within 1e-5.
-  Budget 16 = one row (every group cut), 23 (units of 1-2 rows), 300 (one stream holds all)."""
+def _packed_step(mesh_shape, budget):
+  """The step's new params and metrics on the batch of `test_packed_step_equals_unpacked`, packed
+  to `budget` tokens (None: unpacked)."""
   cfg = tiny_model_config()
   graphdef, params = init_model(cfg, 0)
   batch = _batch(16, 4, 6, 10, cfg.vocab_size)
-  mesh = make_mesh(*mesh_shape, devices=devices)
+  mesh = make_mesh(*mesh_shape, devices=jax.devices())
+  step_cfg = StepConfig(shared_prompts=4, pack_tokens=budget)
+  step, init = build_train_step(graphdef, optax.sgd(1.0), step_cfg, mesh, params)
+  return step(init(jax.tree.map(jnp.copy, params)), batch)
 
-  def run(step_cfg):
-    step, init = build_train_step(graphdef, optax.sgd(1.0), step_cfg, mesh, params)
-    return step(init(jax.tree.map(jnp.copy, params)), batch)
-  base, base_m = run(StepConfig(shared_prompts=4))
-  new, new_m = run(StepConfig(shared_prompts=4, pack_tokens=budget))
+
+# The unpacked step, compiled and run once per mesh for every budget of the test below (a train
+# step's compile is most of each case's time).
+_unpacked_step = functools.lru_cache(maxsize=None)(functools.partial(_packed_step, budget=None))
+
+
+@pytest.mark.parametrize("mesh_shape,budget", [
+    ((1, 1, 1), 16), ((1, 1, 1), 23), ((1, 4, 1), 40),
+    # Fast-suite time budget: the slow step runs these.
+    pytest.param((1, 1, 1), 300, marks=pytest.mark.slow),
+    pytest.param((2, 1, 1), 23, marks=pytest.mark.slow)])
+def test_packed_step_equals_unpacked(devices, mesh_shape, budget):
+  """Gradients (SGD with rate 1: new params = params - gradient) and every metric within 1e-5.
+  Budget 16 = one row (every group cut), 23 (units of 1-2 rows), 300 (one stream holds all)."""
+  base, base_m = _unpacked_step(mesh_shape)
+  new, new_m = _packed_step(mesh_shape, budget)
   assert set(base_m) == set(new_m)
   for k in base_m:
     np.testing.assert_allclose(new_m[k], base_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -139,6 +151,7 @@ def test_packed_step_equals_unpacked_with_every_term(devices):
   assert max(jax.tree.leaves(diff)) < 1e-5, diff
 
 
+@pytest.mark.slow  # fast-suite time budget (packing: the cases above; LoRA: test_lora.py)
 def test_packed_lora_step_equals_unpacked(devices):
   """LoRA adapters on every projection (no dropout: its keys follow the micro-batch index, and
   packing forms other micro-batches): the adapters' gradients agree."""

@@ -241,6 +241,7 @@ def test_a_client_lost_mid_transfer_costs_the_server_nothing():
   lost.close()  # SIGKILL of the rollout process, mid-version
   _wait(lambda: server.failed)
   assert fetch_version(server.address, 0, timeout_s=5) == data  # the others are served
+  assert server.wait_idle(5.0)
   assert server.served == 1 and len(server.failed) == 1
   server.close()
 

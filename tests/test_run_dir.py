@@ -8,6 +8,8 @@ test turns it on), so each costs seconds, not a subprocess start."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import json
 import os
@@ -153,22 +155,156 @@ def test_changing_a_checkpoint_key_is_refused_before_config_json_changes(tmp_pat
   assert not fresh.exists()
 
 
+# A process that takes a run directory's lock, forks a child unless told not to (the child releases
+# nothing and keeps nothing), prints both pids, then waits to be killed.
+HOLDER = """
+import os, sys, time
+from jaxrl.run.directory import RunDirLock
+lock = RunDirLock(sys.argv[1]).acquire()
+child = os.fork() if sys.argv[2:] != ["nofork"] else -1
+if child == 0:
+  lock.release()  # the child's copy: the parent's lock stays
+  time.sleep(600)
+  os._exit(0)
+print(os.getpid(), child, flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(run_dir, *prefix, fork=True):
+  """A process holding `run_dir`'s lock (`HOLDER`, behind `prefix`): (Popen, its first line)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+  proc = subprocess.Popen([*prefix, sys.executable, "-c", HOLDER, str(run_dir),
+                           *([] if fork else ["nofork"])],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  line = proc.stdout.readline()
+  if not line:  # refused, or broken: its error
+    pytest.fail(f"the lock holder did not start: {proc.communicate(timeout=60)[1][-2000:]}")
+  return proc, line.split()
+
+
+def test_a_killed_runs_lock_naming_this_very_pid_does_not_block_the_restart(tmp_path):
+  # A run in a container is pid 1 every time: the lock its SIGKILLed predecessor left names the
+  # restart's own host and pid. Nothing holds the OS lock, so the restart takes the directory.
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  left = {"host": socket.gethostname(), "pid": os.getpid(), "started": "before the kill"}
+  (run_dir / LOCK_FILE).write_text(json.dumps(left))
+  lock = RunDirLock(str(run_dir)).acquire()
+  try:
+    assert json.loads((run_dir / LOCK_FILE).read_text()) == lock.owner != left
+    # The same process asking again (a second run in one process) is refused, naming itself.
+    with pytest.raises(RunDirError, match=rf"in use by pid {os.getpid()} on "):
+      RunDirLock(str(run_dir)).acquire()
+  finally:
+    lock.release()
+  assert os.listdir(run_dir) == []
+  again = RunDirLock(str(run_dir)).acquire()  # released: taken again
+  assert again.held
+  again.release()
+
+
+def test_a_live_holder_is_refused_until_it_is_killed(tmp_path):
+  run_dir = tmp_path / "run"
+  proc, (pid, child) = _holder(run_dir)
+  try:
+    # Held by a live process: refused with its owner line, though a forked child of the holder
+    # called release (a child's copy of the lock releases nothing).
+    with pytest.raises(RunDirError, match=rf"run directory .*run is in use by pid {pid} on "
+                       rf"{socket.gethostname()} \(since [\d:\- ]+\); wait for it, stop it, or "
+                       r"pick another --config.run_dir$"):
+      RunDirLock(str(run_dir)).acquire()
+    proc.kill()
+    proc.wait()
+    # SIGKILLed: its lock file stays, naming it, but the OS lock went with it, and its child
+    # (still alive) kept none.
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == int(pid)
+    os.kill(int(child), 0)
+    lock = RunDirLock(str(run_dir)).acquire()
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+  finally:
+    proc.kill()
+    proc.wait()
+    os.kill(int(child), signal.SIGKILL)
+
+
+def _pid_namespace() -> list[str]:
+  """The command prefix that runs a process as pid 1 of a new pid namespace (unshare), or skip."""
+  prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+  try:
+    ok = subprocess.run([*prefix, "sh", "-c", "test $$ = 1"], capture_output=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired):
+    pytest.skip("no unshare here")
+  if ok.returncode != 0:
+    pytest.skip(f"unshare cannot make a pid namespace here: {ok.stderr.decode().strip()}")
+  return prefix
+
+
+def test_a_container_restart_takes_over_from_its_killed_predecessor(tmp_path):
+  # The container case itself: the run is pid 1 of its own pid namespace, SIGKILLed, and the
+  # same command is started again in a new namespace, where it is pid 1 again.
+  prefix = _pid_namespace()
+  run_dir = tmp_path / "run"
+  first, (pid, _) = _holder(run_dir, *prefix, fork=False)
+  try:
+    assert pid == "1"
+    with pytest.raises(RunDirError, match=rf"in use by pid 1 on {socket.gethostname()} "):
+      RunDirLock(str(run_dir)).acquire()
+    inner = int(open(f"/proc/{first.pid}/task/{first.pid}/children").read().split()[0])
+    os.kill(inner, signal.SIGKILL)  # the namespace's pid 1
+    first.wait(timeout=60)
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == 1
+    second, (pid, _) = _holder(run_dir, *prefix, fork=False)  # (refused: no line)
+    try:
+      assert pid == "1"
+      assert json.loads((run_dir / LOCK_FILE).read_text())["started"]
+    finally:
+      second.kill()
+      second.wait()
+  finally:
+    first.kill()
+    first.wait()
+
+
+def test_without_os_locks_the_owner_line_decides(tmp_path, monkeypatch):
+  # A filesystem without locks (flock fails with ENOLCK, as on NFS without a lock daemon): the
+  # lock falls back to the pid in the owner line, as the docs say.
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  dead = subprocess.Popen([sys.executable, "-c", ""])
+  dead.wait()
+  host = socket.gethostname()
+  (run_dir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": dead.pid, "started": "x"}))
+  lock = RunDirLock(str(run_dir)).acquire()  # its pid is gone: taken over
+  assert json.loads((run_dir / LOCK_FILE).read_text()) == lock.owner
+  lock.release()
+  assert not (run_dir / LOCK_FILE).exists()
+  # A pid alive on this host (here: this process's own) is refused, pointing at the file.
+  (run_dir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": os.getpid(), "started": "x"}))
+  with pytest.raises(RunDirError, match=rf"in use by pid {os.getpid()} on {host} \(since x\); .*"
+                     r"\(a stale lock is .*\.jaxrl\.lock\)$"):
+    RunDirLock(str(run_dir)).acquire()
+
+
 @pytest.mark.slow  # whole runs (fast-suite time budget)
 def test_one_run_per_directory(tmp_path):
   run_dir = tmp_path / "run"
-  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+  holder, (pid, child) = _holder(run_dir)
   try:
-    lock = RunDirLock(str(run_dir))
-    lock.owner = {"host": socket.gethostname(), "pid": holder.pid, "started": "earlier"}
-    lock.acquire()
-    with pytest.raises(RunDirError, match=rf"run directory .*run is in use by pid {holder.pid} "
-                       rf"on {socket.gethostname()} \(since earlier\)"):
+    with pytest.raises(RunDirError, match=rf"run directory .*run is in use by pid {pid} "
+                       rf"on {socket.gethostname()} \(since "):
       _run(run_dir, train__steps=1)
     assert os.listdir(run_dir) == [LOCK_FILE]  # the refused run wrote nothing
   finally:
     holder.kill()
     holder.wait()
-  # The holder is gone: its lock is stale and taken over.
+    os.kill(int(child), signal.SIGKILL)
+  # The holder is gone: its lock file is left, holding nothing, and the run takes it.
   assert _run(run_dir, train__steps=1)["rl/steps"] == 1
   assert not (run_dir / LOCK_FILE).exists()
 

@@ -82,6 +82,7 @@ def build_config(args: argparse.Namespace, overrides: list[str]) -> ConfigDict:
     cfg.model.hf_path = args.hf or ""
   problems: list[str] = []
   cfg = config_lib.parse_overrides(cfg, overrides, problems)
+  config_lib.resolve_model_file(cfg, problems)  # a .gguf file: its converted directory
   if problems:
     raise config_lib.ConfigError(problems)
   if args.task is not None:
@@ -269,7 +270,7 @@ def parser() -> argparse.ArgumentParser:
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--run", help="run directory (holds config.json and checkpoints/)")
   src.add_argument("--hf", help="Hugging Face model directory (config.json, *.safetensors, "
-                   "tokenizer files)")
+                   "tokenizer files), or a .gguf file (the gguf extra)")
   src.add_argument("--endpoint", help="an OpenAI-compatible API's base URL, e.g. "
                    "http://127.0.0.1:8000/v1 (python -m jaxrl.serve --openai, vLLM, ...)")
   p.add_argument("--model", default=None, help="with --endpoint: the model to ask for "

@@ -313,6 +313,7 @@ def main(argv: list[str]) -> None:
     cfg = config_lib.parse_overrides(config_lib.load_recipe(_CONFIG.value or DEFAULT_CONFIG),
                                      _OVERRIDES, problems)
     debug = _debug_requested(_OVERRIDES, cfg)
+    config_lib.resolve_model_file(cfg, problems)  # a .gguf file: its converted directory
     _tune_process(cfg, problems)
     mesh_shape = _validate(cfg, problems)
   except Exception as e:

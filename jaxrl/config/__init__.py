@@ -11,7 +11,7 @@ re-exported here (`from jaxrl import config as config_lib`). No jax is imported.
 from jaxrl.config.mesh import MeshShape, mirror_folds
 from jaxrl.config.microbatch import resolve_microbatches, run_microbatches, shared_prompts
 from jaxrl.config.overrides import parse_overrides
-from jaxrl.config.preflight import RUN_ROOT, default_run_dir
+from jaxrl.config.preflight import RUN_ROOT, default_run_dir, resolve_model_file
 from jaxrl.config.loader import RecipeError, load_recipe
 from jaxrl.config.saved import merge_saved, to_dict
 from jaxrl.config.schema import PREFIX, ConfigError
@@ -20,5 +20,5 @@ from jaxrl.config.validation import distributed_settings, validate
 __all__ = [
     "PREFIX", "RUN_ROOT", "ConfigError", "MeshShape", "RecipeError", "default_run_dir",
     "distributed_settings", "load_recipe", "merge_saved", "mirror_folds", "parse_overrides",
-    "resolve_microbatches", "run_microbatches", "shared_prompts", "to_dict", "validate",
+    "resolve_microbatches", "resolve_model_file", "run_microbatches", "shared_prompts", "to_dict", "validate",
 ]

@@ -46,6 +46,7 @@ from typing import Any
 from jaxrl.config.mesh import MeshShape
 from jaxrl.config.microbatch import resolve_microbatches
 from jaxrl.config.schema import PREFIX
+from jaxrl.core.names import lag_bound
 from jaxrl.data import hf_files
 
 LIMIT_ENV = "JAXRL_DEVICE_MEMORY_BYTES"
@@ -368,7 +369,9 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       # The cache's rows go over 'data', its kv heads over 'tensor' where they divide
       # (`parallel.sharding.kv_cache_shardings`).
       kv_rows=kv_rows, kv_head_shards=kv_split, cache_slots=lp + new,
-      prompt_len=lp, lag=good["rollout.lag"], colocated=colocated,
+      prompt_len=lp, lag=lag_bound({"lag": good["rollout.lag"],
+                                        "max_lag": good.get("rollout.max_lag", 0)}),
+      colocated=colocated,
       param_shards=mesh.fsdp * mesh.tensor,
       rollout_param_shards=mesh.fsdp * mesh.tensor if colocated else r_tensor,
       ref_params=good["ref_kl.coef"] != 0,

@@ -12,7 +12,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxrl.config.schema import PREFIX, ConfigError, flatten, is_section, unknown_key
+from jaxrl.config.schema import (PREFIX, WORDS, ConfigError, flatten, is_section,
+                                 unknown_key)
 from jaxrl.recipes import default as default_config
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
@@ -72,7 +73,7 @@ def parse_overrides(cfg: ConfigDict, argv: list[str],
       problems.append(f"{PREFIX}{path}: override needs a value, as in {arg}=VALUE")
     else:
       try:
-        value = _parse_value(text, known[path])
+        value = text if WORDS.get(path) == text else _parse_value(text, known[path])
       except ValueError as e:
         problems.append(f"{PREFIX}{path}: {e} (from {arg})")
         continue

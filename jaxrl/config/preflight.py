@@ -15,7 +15,8 @@ from typing import Any
 
 from jaxrl.config.schema import PREFIX
 from jaxrl.observe import sinks
-from jaxrl.data import hf_files
+from jaxrl.data import gguf_files, hf_files
+from jaxrl.runtime import compile_cache
 
 RUN_ROOT = "runs"  # where a run without config.run_dir goes: ./runs/<name>-<timestamp>
 
@@ -47,6 +48,46 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
   return out
 
 
+# The `gguf` extra's modules: a GGUF file read as a model (jaxrl.data.gguf_files).
+GGUF_EXTRA_MODULES = ("gguf",)
+
+
+def gguf_cache_root() -> str:
+  """Where GGUF files are converted to: `$JAXRL_GGUF_CACHE`, else `~/.cache/jaxrl/gguf`."""
+  return compile_cache.cache_dir("auto", "JAXRL_GGUF_CACHE", "gguf")
+
+
+def resolve_model_file(cfg, problems: list[str], say=print) -> None:
+  """`model.hf_path` naming a `.gguf` file becomes the Hugging Face directory made from it
+  (`jaxrl.data.gguf_files.model_dir`, cached by the file's content), so validation and the run
+  read that directory; the line `say` prints names both. A file that cannot be read as a model
+  is one problem naming it. Nothing is converted when the config already has problems."""
+  path = cfg.get("model", {}).get("hf_path", "") if hasattr(cfg, "get") else ""
+  if problems or not isinstance(path, str) or not path.endswith(".gguf"):
+    return
+  p = PREFIX
+  if not os.path.isfile(path):
+    problems.append(f"{p}model.hf_path: no file {path!r}")
+    return
+  missing = missing_modules(GGUF_EXTRA_MODULES + HF_EXTRA_MODULES)
+  if missing:
+    problems.append(f"{p}model.hf_path: a GGUF file needs the gguf and hf extras "
+                    f"({', '.join(missing)} not installed): pip install -e \".[gguf]\"")
+    return
+  try:
+    gguf_files.check(path)
+    out = gguf_files.model_dir(path, gguf_cache_root(),
+                               progress=lambda m: say(f"jaxrl | model.hf_path: {m}", flush=True))
+  except gguf_files.GGUFError as e:
+    problems.append(f"{p}model.hf_path: {e}")
+    return
+  except OSError as e:
+    problems.append(f"{p}model.hf_path: cannot write the converted model ({e}); set "
+                    "JAXRL_GGUF_CACHE to a writable directory")
+    return
+  cfg.model.hf_path = out
+
+
 def check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> None:
   """A Hugging Face model directory: present, complete enough to start, and not contradicted.
 
@@ -56,7 +97,7 @@ def check_hf(good: dict[str, Any], ref: dict[str, Any], problems: list[str]) -> 
   """
   p = PREFIX
   path = good.get("model.hf_path", "")
-  if not path:
+  if not path or path.endswith(".gguf"):  # a GGUF file: resolve_model_file named its problem
     return
   if not os.path.isdir(path):
     problems.append(f"{p}model.hf_path: no directory {path!r}")

@@ -19,7 +19,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxrl.core.errors import UserError
-from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, ATTENTION_IMPLS, CORRECTION_BAND_KEYS,
+from jaxrl.core.names import (ADVANTAGE_ESTIMATORS, AUTO_LAG, ATTENTION_IMPLS, CORRECTION_BAND_KEYS,
                               DECODE_ATTENTION_IMPLS,
                               CORRECTION_CAPS, DTYPES, KL_ESTIMATORS, KL_REDUCTIONS,
                               KV_CACHE_DTYPES, LORA_TARGETS,
@@ -180,10 +180,12 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.dtype", _one_of(("auto", "float32", "bfloat16"))),
     ("rollout.kv_cache_dtype", _one_of(KV_CACHE_DTYPES)),
     ("rollout.engine", _one_of(("static", "continuous"))),
+    ("rollout.sync", _one_of(("full", "delta"))),
     ("rollout.engine_slots", _ge(0)),
     ("rollout.engine_steps", _ge(1)),
     ("task.num_digits", (lambda v: 1 <= v <= 4, "in [1, 4] (task 'add' permutes all 10^(2n) "
                          "operand pairs once: 5 digits would need 80 GB)")),
+    ("task.max_operand", _ge(0)),
     ("task.dev_size", _ge(1)),
     ("task.val_size", _ge(1)),
     ("sft.learning_rate", _gt(0)),
@@ -203,7 +205,9 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.top_k", (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (top-1 sampling is greedy: "
                        "the samples of one prompt would be identical, every advantage 0)")),
     ("rollout.top_p", _in(0, 1, lo_open=True)),
-    ("rollout.lag", _ge(0)),
+    ("rollout.lag", (lambda v: v == AUTO_LAG or v >= 0, f">= 0 or {AUTO_LAG!r}")),
+    ("rollout.max_lag", _ge(0)),
+    ("rollout.lag_every", _ge(1)),
     ("rollout.max_regenerations", _ge(0)),
     # Below a second the watchdog fires while a healthy batch is still being generated.
     ("rollout.stall_timeout_s", (lambda v: v >= 1.0, ">= 1.0 (seconds: the watchdog must outlast "
@@ -308,6 +312,10 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
+# Int keys that may also hold one word instead of a number.
+WORDS = {"rollout.lag": AUTO_LAG}
+
+
 def type_ok(value: Any, ref: Any) -> bool:
   """Whether `value` may stand where the default holds `ref` (an int is a valid float)."""
   # bool is a subclass of int in Python, so it is excluded explicitly both ways.
@@ -357,7 +365,7 @@ def check_schema(cfg: Any, ref: Any, known: Collection[str], prefix: str,
       problems.append(f"{PREFIX}{path}: expected {want}, got {describe(v)}")
     elif is_section(v):
       check_schema(v, ref[k], known, path + ".", problems, good)
-    elif not type_ok(v, ref[k]):
+    elif not type_ok(v, ref[k]) and not (path in WORDS and v == WORDS[path]):
       problems.append(
           f"{PREFIX}{path}: expected {type(ref[k]).__name__}, got {describe(v)}")
     elif isinstance(v, float) and not math.isfinite(v):

@@ -25,7 +25,7 @@ from jaxrl.config import memory, preflight
 from jaxrl.config.mesh import MeshShape, resolve_mesh_shape
 from jaxrl.config.schema import (DISTRIBUTED_RULES, PREFIX, RULES, ConfigError, Rule,
                                  check_schema, describe, flatten, parse_profile_steps, type_ok)
-from jaxrl.core.names import CORRECTIONS, INTERVAL_BANDS, WEIGHTING
+from jaxrl.core.names import AUTO_LAG, CORRECTIONS, INTERVAL_BANDS, WEIGHTING, lag_bound
 from jaxrl.envs import registry  # registers the built-in tasks (no jax)
 from jaxrl.observe import sinks
 from jaxrl.recipes import default as default_config
@@ -285,11 +285,37 @@ def _check_sampling(good: dict[str, Any], problems: list[str]) -> None:
         f"{PREFIX}rollout.partial_rollouts: needs {PREFIX}rollout.engine = 'continuous' (the "
         "static sampler decodes a whole batch on one params version), got "
         f"{good.get('rollout.engine')!r}")
+  if good.get("rollout.sync") == "delta" and "mesh.rollout_processes" in good and \
+      not str(good["mesh.rollout_processes"]).strip():
+    problems.append(
+        f"{PREFIX}rollout.sync: 'delta' needs {PREFIX}mesh.rollout_processes (only versions that "
+        "cross to other processes are sent; in one process the samplers' copy is made on the "
+        "devices)")
   if _have(good, "rollout.max_total_tokens", "rollout.max_new_tokens") and \
       0 < good["rollout.max_total_tokens"] < good["rollout.max_new_tokens"]:
     problems.append(
         f"{PREFIX}rollout.max_total_tokens: must be 0 or >= {PREFIX}rollout.max_new_tokens = "
         f"{good['rollout.max_new_tokens']}, got {good['rollout.max_total_tokens']}")
+
+
+def _lag_bound(good: dict[str, Any]) -> int:
+  """`lag_bound` of the well-typed keys (0 where they did not pass their checks)."""
+  return lag_bound({"lag": good.get("rollout.lag", 0), "max_lag": good.get("rollout.max_lag", 0)})
+
+
+def _check_lag(good: dict[str, Any], problems: list[str], several: str) -> None:
+  """`rollout.lag = "auto"` tunes the lag of one process's rollout worker: it needs a lag to
+  choose from, and one process (each process's worker would time and tune its own lag, and the
+  processes' shares of a batch would not agree on its params version)."""
+  if good.get("rollout.lag") != AUTO_LAG:
+    return
+  p = PREFIX
+  if good.get("rollout.max_lag") == 0:
+    problems.append(f"{p}rollout.max_lag: must be >= 1 with {p}rollout.lag = {AUTO_LAG!r} (0 "
+                    "leaves no lag to choose)")
+  if several:
+    problems.append(f"{p}rollout.lag: {AUTO_LAG!r} tunes one process's rollout worker; with "
+                    f"{several} set a fixed lag (an int >= 0)")
 
 
 def _check_profile(good: dict[str, Any], problems: list[str]) -> None:
@@ -342,7 +368,7 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
       problems.append(f"{p}loss.reduction: {p}loss.policy='gspo' needs 'seq_mean_token_mean' "
                       f"(one ratio per sequence), got {good['loss.reduction']!r}")
   if good.get("loss.ratio_base") == "rollout" or (
-      good.get("loss.ratio_base") == "auto" and good.get("rollout.lag", 0) > 0):
+      good.get("loss.ratio_base") == "auto" and _lag_bound(good) > 0):
     weighting = [n for n in names if n in WEIGHTING]
     if weighting:
       problems.append(f"{p}loss.correction: {weighting[0]} re-weights by the sampler ratio, which "
@@ -353,7 +379,7 @@ def _check_loss(good: dict[str, Any], problems: list[str]) -> None:
     needs = [k for k, used in (("loss.correction", bool(names)),
                                ("loss.ratio_base", good.get("loss.ratio_base") == "rollout" or (
                                    good.get("loss.ratio_base") == "auto"
-                                   and good.get("rollout.lag", 0) > 0)),
+                                   and _lag_bound(good) > 0)),
                                ("rollout_kl.coef", on("rollout_kl.coef")),
                                ("loss.seq_logprob_error_threshold",
                                 on("loss.seq_logprob_error_threshold"))) if used]
@@ -383,7 +409,9 @@ def _check_distributed(good: dict[str, Any], problems: list[str],
   elif num_processes is not None and num_processes > 1:
     several = f"{num_processes} processes joined by {p}distributed.auto"
   else:
+    _check_lag(good, problems, "")
     return
+  _check_lag(good, problems, several)
   # A lag is fine: each process makes its own groups on its rollout thread over its local devices
   # (dynamic sampling included: a group never spans processes), or inline (`InlineWorker`) where
   # the batch cannot be split by process. The continuous engine's host driver reads every slot's

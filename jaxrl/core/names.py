@@ -67,3 +67,17 @@ def check_registry(kind: str, names: tuple[str, ...], implemented: Iterable[str]
   got = tuple(implemented)
   if got != names:
     raise AssertionError(f"jaxrl.core.names.{kind} is {names}, but the implementations are {got}")
+
+# `rollout.lag`: an int >= 0, or this word: the lag tunes itself within `rollout.max_lag`
+# (`jaxrl.pipeline.tuner`).
+AUTO_LAG = "auto"
+
+
+def lag_bound(rollout) -> int:
+  """The largest lag a run's `rollout` section can put in force: `rollout.lag`, or
+  `rollout.max_lag` when the lag is `"auto"`. What sizes the ring (its `L + 1` slots), the
+  memory plan and every choice made once per run that differs between lag 0 and lag > 0."""
+  lag = rollout["lag"] if isinstance(rollout, dict) else rollout.lag
+  if lag == AUTO_LAG:
+    return rollout["max_lag"] if isinstance(rollout, dict) else rollout.max_lag
+  return lag

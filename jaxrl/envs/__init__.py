@@ -22,6 +22,7 @@ from jaxrl.envs.base import (AsyncEnvironment, Environment, StepResult, Task, Tu
 from jaxrl.envs.countdown import CountdownEnvironment, CountdownSource
 from jaxrl.envs.guess import GuessEnvironment, GuessSource
 from jaxrl.envs.mathqa import MathEnvironment, MathSource
+from jaxrl.envs.word_problems import WordMathEnvironment, WordProblemSource
 # Registers the `reasoning_gym:` family; reasoning-gym itself is imported only when one is named.
 from jaxrl.envs import reasoning_gym as _reasoning_gym  # noqa: F401
 # Registers the `agent:` family (task.name=agent:<module>:<function>).
@@ -34,5 +35,5 @@ __all__ = [
     "CountdownSource", "ENVIRONMENTS", "Environment", "GuessEnvironment",
     "GuessSource", "MathEnvironment", "MathSource", "Problem", "Registration", "StepResult",
     "TASKS", "Task", "Turn", "call_step", "make_env", "make_source", "register",
-    "single_turn_result", "task_names",
+    "WordMathEnvironment", "WordProblemSource", "single_turn_result", "task_names",
 ]

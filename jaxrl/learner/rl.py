@@ -17,7 +17,7 @@ from jaxrl.models import ModelConfig, abstract_model
 from jaxrl.models import lora as lora_lib
 from jaxrl.models import moe
 from jaxrl.learner.step import StepConfig, build_train_step, compile_step, make_optimizer
-from jaxrl.core.names import CORRECTION_KEYS
+from jaxrl.core.names import CORRECTION_KEYS, lag_bound
 from jaxrl.core.types import TrainBatch
 
 
@@ -32,7 +32,7 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
   lo = cfg.loss
   objective = losses.ObjectiveConfig(
       policy=lo.policy,
-      ratio_base=("rollout" if cfg.rollout.lag > 0 else "trainer") if lo.ratio_base == "auto"
+      ratio_base=("rollout" if lag_bound(cfg.rollout) > 0 else "trainer") if lo.ratio_base == "auto"
       else lo.ratio_base,
       eps_low=lo.eps_low, eps_high=lo.eps_high,
       dual_clip=lo.dual_clip or None, sapo_tau_pos=lo.sapo_tau_pos, sapo_tau_neg=lo.sapo_tau_neg,

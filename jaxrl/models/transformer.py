@@ -1,26 +1,23 @@
-"""Decoder-only language model of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
-
-RMSNorm, rotary position embeddings (HF "rotate half" layout, optionally with "linear" or
-Llama-3 frequency scaling), grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2),
-optional per-head q/k RMSNorm (Qwen3), optional tied embeddings, separate parameter and compute
-dtypes.
+"""Decoder-only language model of the Llama / Qwen2 / Qwen3 family, in Flax NNX: RMSNorm, rotary
+position embeddings (HF "rotate half" layout, optionally "linear" or Llama-3 frequency scaling),
+grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm
+(Qwen3), optional tied embeddings, separate parameter and compute dtypes.
 
 Layer weights are stacked on a leading `[num_layers]` axis and the forward pass is a `lax.scan`
 over layers, so compile time does not grow with depth and the KV cache is one array per K and V.
 
 Positions are explicit per token, so left-padded prompts get positions 0.. from their first real
-token; attention masks come from a per-slot validity mask plus causality by slot. The same code
-serves three callers: the trainer (no cache, whole sequence; or `grouped_forward`, a group's
-prompt once with its G completions packed into one row), prefill (writes slots `[0, T)` of a
-fresh cache) and decode (writes one slot per step). Attention over many queries
-(`layers.attention`) has its own gradient rule; single-token decode has its own form
-(`layers.decode_attention`).
-
-The building blocks are in `layers`; the configuration and cache records in `model_config`.
+token; attention masks come from a per-slot validity mask plus causality by slot. One code path
+serves the trainer (no cache, whole sequence; or `grouped_forward`, a group's prompt once with
+its G completions packed into one row), prefill (slots `[0, T)` of a fresh cache) and decode
+(one slot per step). Attention over many queries (`layers.attention`) has its own gradient rule;
+single-token decode its own form (`layers.decode_attention`). The building blocks are in
+`layers`; the configuration and cache records in `model_config`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -445,9 +442,8 @@ def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
 def _cache_attention(run: _Pass, q, k, v, kv):
   """Causal attention of q [B, T, H, Dh] over the keys and values `kv` returns once it has
   stored k, v [B, T, K, Dh]: [B, T, H, Dh] in the compute dtype."""
-  cfg = run.cfg
+  cfg, B, T = run.cfg, run.rows, run.length
   dt = DTYPES[cfg.dtype]
-  B, T = run.rows, run.length
   K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
   scale = cfg.head_dim ** -0.5
   k_all, v_all = kv(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,Dh,S], [B,K,S,Dh]
@@ -482,14 +478,21 @@ def _mlp(run: _Pass, h, p, o, dense):
 
 
 def init_model(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:
-  """Builds the model and splits it into (graphdef, params) for pure functions.
+  """The model split into (graphdef, params) for pure functions, by one jitted program per config
+  and shardings (`_init_program`; with `shardings` each parameter is made on its devices)."""
+  leaves, treedef = jax.tree.flatten(shardings)
+  try:
+    program = _init_program(cfg, treedef, tuple(leaves))
+  except TypeError:  # an unhashable config field or sharding: built for this call only
+    program = _init_program.__wrapped__(cfg, treedef, tuple(leaves))
+  return abstract_model(cfg)[0], program(jax.random.key(seed))
 
-  Initialisation runs as one jitted program (eagerly, every random op of a new shape would
-  compile on its own); with `shardings` each parameter is created in place on its devices.
-  """
-  graphdef, _ = abstract_model(cfg)
-  make = lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))[1]
-  return graphdef, jax.jit(make, out_shardings=shardings)()
+
+@functools.lru_cache(maxsize=32)
+def _init_program(cfg: ModelConfig, treedef, leaves: tuple):
+  """The init, compiled once whatever the seed (its key is the argument): seconds on a CPU."""
+  return jax.jit(lambda rng: nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=rng)))[1],
+                 out_shardings=jax.tree.unflatten(treedef, leaves))
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

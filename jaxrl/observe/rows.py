@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl.core.names import lag_bound
 from jaxrl.pipeline.dynamic_sampling import finite_mean
 from jaxrl.pipeline.staleness import staleness_from_rows
 
@@ -28,7 +29,7 @@ def step_row(parts, step: int, batch_id: int, item, train: dict, loop: dict) -> 
   rewards = meta.tags["reward"]
   mixed = [np.ptp(rewards[g]) > 0 for g in meta.group_rows()]
   n = max(len(meta), 1)
-  lag = parts.cfg.rollout.lag
+  lag = lag_bound(parts.cfg.rollout)  # the ring has lag_bound + 1 slots
   head = {k: x for k, x in loop.items() if k == "train/skipped_updates"}
   pipe = {k: x for k, x in loop.items() if k.startswith("pipeline/")}
   tail = {k: x for k, x in loop.items() if k not in head and k not in pipe}

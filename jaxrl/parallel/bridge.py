@@ -22,8 +22,8 @@ mesh of both sides' devices instead:
 Every rollout process gets the whole params (it generates on its own). Rollout rows go the other
 way through the coordination service's key-value store (`Channel`): host data anyway.
 
-`VersionServer` and `fetch_version` carry byte strings by version over plain TCP, point to point:
-the transport of params versions that survives a lost rollout process (docs/failures.md,
+`VersionServer` and `fetch_version` (`jaxrl.parallel.transport`) carry byte strings by version
+over plain TCP, point to point, checksummed, whole or as deltas (`rollout.sync`): the transport of params versions that survives a lost rollout process (docs/failures.md,
 "Rollout processes that come and go"), which a run uses in place of the exchange: step 1, then
 each train process's rows as bytes (`ParamsBridge.host_rows`), served per version by each train
 process; each rollout process fetches every train process's rows and runs step 3 on them
@@ -36,8 +36,6 @@ import functools
 import io
 import json
 import socket
-import threading
-import time
 from collections.abc import Callable
 
 import jax
@@ -46,6 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.parallel import peers
+# The TCP version transport lives in `transport`; these names are its, kept here for callers.
+from jaxrl.parallel.transport import VersionGone, VersionServer, fetch_version  # noqa: F401
 
 
 def shard_map(f, mesh, in_specs, out_specs):
@@ -113,131 +113,6 @@ class Channel:
     return b"".join(parts)
 
 
-class VersionGone(RuntimeError):
-  """The version asked of a `VersionServer` is older than the ones it keeps."""
-
-
-class VersionServer:
-  """Serves byte strings by version over plain TCP, one connection per request: the transport
-  of params versions that survives a lost peer (docs/failures.md). A lost or hung client costs
-  its own connection thread only (every socket call has a timeout); nothing else waits for it.
-
-  The server's owner `publish`es each version's bytes and `retire_below`s the ones no batch
-  needs any more; a client `fetch_version`s a version, waiting up to its timeout for it to be
-  published. `address` is what clients connect to (the port is picked when `port` is 0).
-  """
-
-  def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
-    self.timeout_s = float(timeout_s)
-    self._sock = socket.create_server((host, port))
-    self._sock.settimeout(0.2)
-    self.address = f"{host}:{self._sock.getsockname()[1]}"
-    self._versions: dict[int, bytes] = {}
-    self._oldest = 0  # versions below it are retired
-    self._cond = threading.Condition()
-    self._stop = threading.Event()
-    self.served = 0  # whole versions sent
-    self.failed: list[str] = []  # one line per connection that broke off (a lost client)
-    self._thread = threading.Thread(target=self._accept, name="version-server", daemon=True)
-    self._thread.start()
-
-  def publish(self, version: int, data: bytes) -> None:
-    with self._cond:
-      self._versions[version] = bytes(data)
-      self._cond.notify_all()
-
-  def get(self, version: int) -> bytes | None:
-    """What is served as `version` (None: not published, or retired)."""
-    with self._cond:
-      return self._versions.get(version)
-
-  def retire_below(self, version: int) -> None:
-    """Forgets every version below `version`; asking for one of them is `VersionGone`."""
-    with self._cond:
-      self._oldest = max(self._oldest, version)
-      for v in [v for v in self._versions if v < version]:
-        del self._versions[v]
-      self._cond.notify_all()
-
-  def close(self) -> None:
-    self._stop.set()
-    with self._cond:
-      self._cond.notify_all()
-    self._thread.join(timeout=5)
-    self._sock.close()
-
-  def _accept(self) -> None:
-    while not self._stop.is_set():
-      try:
-        conn, _ = self._sock.accept()
-      except TimeoutError:
-        continue
-      except OSError:  # closed
-        return
-      threading.Thread(target=self._serve, args=(conn,), name="version-server-conn",
-                       daemon=True).start()
-
-  def _serve(self, conn: socket.socket) -> None:
-    try:
-      with conn:
-        conn.settimeout(self.timeout_s)
-        asked = _read_line(conn).split()
-        version = int(asked[0])
-        wait_s = min(self.timeout_s, float(asked[1])) if len(asked) > 1 else self.timeout_s
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-          while (version not in self._versions and version >= self._oldest
-                 and not self._stop.is_set() and time.monotonic() < deadline):
-            self._cond.wait(0.2)
-          data = self._versions.get(version)
-          gone = version < self._oldest
-        if data is None:
-          why = f"version {version} is retired" if gone else f"version {version} not published"
-          conn.sendall(b"E" + why.encode() + b"\n")
-          return
-        conn.sendall(b"V" + len(data).to_bytes(8, "little"))
-        conn.sendall(data)
-      with self._cond:  # one connection thread per client: count under the lock
-        self.served += 1
-    except (OSError, ValueError) as e:  # the client went away or sent garbage: its loss only
-      with self._cond:
-        self.failed.append(f"{type(e).__name__}: {e}"[:200])
-
-
-def _read_line(conn: socket.socket, limit: int = 64) -> str:
-  got = b""
-  while not got.endswith(b"\n"):
-    part = conn.recv(1)
-    if not part or len(got) > limit:
-      raise ValueError("a request line was cut short")
-    got += part
-  return got.decode().strip()
-
-
-def fetch_version(address: str, version: int, timeout_s: float = 60.0) -> bytes:
-  """Version `version`'s bytes from the `VersionServer` at `address` ("host:port"), waiting up
-  to `timeout_s` for each step (the server waits up to the smaller of `timeout_s` and its own
-  timeout for the version to be published).
-
-  Raises:
-    VersionGone: the server has retired it.
-    TimeoutError: it was not published in time, or the server stopped answering.
-    ConnectionError: the server went away.
-  """
-  host, port = address.rsplit(":", 1)
-  with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
-    conn.settimeout(timeout_s + 5)  # past the server's own wait, which answers first
-    conn.sendall(f"{version} {timeout_s:g}\n".encode())
-    kind = _recv_exact(conn, 1)
-    if kind == b"E":
-      why = _read_line(conn, 200)
-      if "retired" in why:
-        raise VersionGone(f"{address}: {why}")
-      raise TimeoutError(f"{address}: {why} within {timeout_s:g} s")
-    n = int.from_bytes(_recv_exact(conn, 8), "little")
-    return _recv_exact(conn, n)
-
-
 def reachable_host() -> str:
   """This host's address as the other processes of the run reach it: the one its route to the
   coordination service leaves from (127.0.0.1 when that runs on this host's loopback)."""
@@ -251,17 +126,6 @@ def reachable_host() -> str:
       return probe.getsockname()[0]
   except OSError:
     return "127.0.0.1"
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-  buf = bytearray(n)
-  view, got = memoryview(buf), 0
-  while got < n:
-    k = conn.recv_into(view[got:], min(1 << 22, n - got))
-    if k == 0:
-      raise ConnectionError(f"the connection closed after {got} of {n} bytes")
-    got += k
-  return bytes(buf)
 
 
 def pack(arrays: dict, header: dict) -> bytes:

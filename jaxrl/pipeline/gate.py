@@ -15,6 +15,14 @@ Contract (lag L >= 0, capacity L+1, batch ids 0, 1, 2, ...):
 The gate is the only flow control: delivered items wait in an unbounded dict (at most L+1 of them
 by construction), never in a bounded queue that could block a worker holding a slot.
 
+A lag that changes (`rollout.lag = "auto"`, `jaxrl.pipeline.tuner`): the gate holds the lag of
+every batch id, a schedule of `set_lag(from_batch, lag)` changes, and batch b takes a slot only
+while fewer than `lag_of(b) + 1` are held, i.e. once the pull of batch `b - lag_of(b)` has begun:
+exactly the fixed-lag rule for the lag in force at b, so batch b is made with params version
+`version_of(b) = max(0, b - lag_of(b))` whatever the timing. The ring has `max_lag + 1` slots. A
+change may name only batches not yet reserved; raising the lag lets the worker run one batch
+further ahead at once, lowering it makes the worker wait for the pulls the smaller lag needs.
+
 Supervision: `fail(exc)` wakes the trainer, whose current or next `pull()` raises `WorkerFailed`
 carrying the worker's traceback; a watchdog raises `StallError` when no batch arrives for
 `stall_timeout_s`; `close()` wakes every waiter. All state sits behind ONE `threading.Condition`
@@ -56,13 +64,18 @@ class LagGate:
   (worker_blocked_s, worker_waiting) assumes one reserving thread, as RolloutWorker has.
   """
 
-  def __init__(self, lag: int, stall_timeout_s: float = 600.0):
-    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-      raise ValueError(f"rollout.lag must be an int >= 0, got {lag!r}")
+  def __init__(self, lag: int, stall_timeout_s: float = 600.0, max_lag: int | None = None):
+    """`lag`: the lag of batch 0 on; `max_lag` (default `lag`): the largest `set_lag` may set,
+    which sizes the ring."""
+    for name, v in (("rollout.lag", lag), ("rollout.max_lag", lag if max_lag is None else max_lag)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     if not stall_timeout_s > 0:
       raise ValueError(f"rollout.stall_timeout_s must be > 0, got {stall_timeout_s!r}")
-    self.lag = lag
-    self.capacity = lag + 1  # >= 1 always, so L = 0 can never deadlock on an empty gate
+    self.lag = lag  # the lag of batch 0 (`lag_of` gives any batch's)
+    self.max_lag = max(lag, lag if max_lag is None else max_lag)
+    self.capacity = self.max_lag + 1  # >= 1 always, so L = 0 can never deadlock on an empty gate
+    self._schedule: list[tuple[int, int]] = [(0, lag)]  # (first batch id, its lag), ascending
     self.stall_timeout_s = float(stall_timeout_s)
     self._cond = threading.Condition()
     self._submitted = 0  # batch ids 0..submitted-1 have been reserved
@@ -93,7 +106,7 @@ class LagGate:
       start = time.monotonic()
       blocked = False
       try:
-        while self._open() and self._submitted - self._freed >= self.capacity:
+        while self._open() and self._full_locked():
           if not blocked:
             blocked, self._reserve_since = True, start
           self._cond.wait(_POLL_S)
@@ -108,9 +121,13 @@ class LagGate:
     when the gate is closed or failed). For a worker that runs inline, between the trainer's
     pulls (`InlineWorker`)."""
     with self._cond:
-      if not self._open() or self._submitted - self._freed >= self.capacity:
+      if not self._open() or self._full_locked():
         return None
       return self._take_slot_locked()
+
+  def _full_locked(self) -> bool:
+    # The next batch may start once the pull of batch `b - lag_of(b)` has begun (module docstring).
+    return self._submitted - self._freed >= self._lag_of_locked(self._submitted) + 1
 
   def _take_slot_locked(self) -> int:
     batch_id = self._submitted
@@ -224,6 +241,51 @@ class LagGate:
       self._closed = True
       self._cond.notify_all()
 
+  # -- the lag of each batch -------------------------------------------------------------------
+
+  def set_lag(self, from_batch: int, lag: int) -> None:
+    """Batches `from_batch`, `from_batch + 1`, ... take lag `lag` (0 <= lag <= max_lag) until the
+    next change. `from_batch` must not be reserved yet (a reserved batch keeps the version its
+    lag gave it) nor precede an earlier change."""
+    with self._cond:
+      if not 0 <= lag <= self.max_lag:
+        raise ValueError(f"set_lag: lag {lag} outside 0..{self.max_lag} (rollout.max_lag)")
+      if from_batch < self._submitted or from_batch < self._schedule[-1][0]:
+        raise ValueError(f"set_lag({from_batch}): batches up to {self._submitted - 1} are "
+                         f"reserved and the last change is at batch {self._schedule[-1][0]}")
+      if lag != self._schedule[-1][1]:
+        self._schedule.append((from_batch, lag))
+      # Only the entries still in force for the last pulled batch onward are kept.
+      while len(self._schedule) > 1 and self._schedule[1][0] <= max(self._consumed - 1, 0):
+        self._schedule.pop(0)
+      self._cond.notify_all()
+
+  def lag_of(self, batch_id: int) -> int:
+    """The lag batch `batch_id` is (or will be, as set so far) made under."""
+    with self._cond:
+      return self._lag_of_locked(batch_id)
+
+  def version_of(self, batch_id: int) -> int:
+    """The params version batch `batch_id` is made with: `max(0, b - lag_of(b))`."""
+    with self._cond:
+      return max(0, batch_id - self._lag_of_locked(batch_id))
+
+  def version_floor(self, first_batch: int) -> int:
+    """The oldest params version a batch >= `first_batch` can still ask for, as set so far (a
+    batch a change could still reach is >= `first_batch + max_lag`, so its version is >=
+    `first_batch`)."""
+    with self._cond:
+      return min(max(0, b - self._lag_of_locked(b))
+                 for b in range(first_batch, first_batch + self.capacity))
+
+  def _lag_of_locked(self, batch_id: int) -> int:
+    lag = self._schedule[0][1]
+    for first, entry in self._schedule:
+      if first > batch_id:
+        break
+      lag = entry
+    return lag
+
   # -- checkpoints ---------------------------------------------------------------------------
 
   def quiesce(self, timeout: float) -> dict[int, object]:
@@ -240,7 +302,7 @@ class LagGate:
         self._raise_if_failed()
         if self._closed:
           raise PipelineClosed("pipeline closed")
-        if self._submitted - self._freed >= self.capacity and self._completed == self._submitted:
+        if self._full_locked() and self._completed == self._submitted:
           return dict(self._ready)
         left = deadline - time.monotonic()
         if left <= 0:
@@ -272,7 +334,7 @@ class LagGate:
   def _checkpoint_state_locked(self) -> dict:
     return {"submitted": self._submitted, "freed": self._freed, "consumed": self._consumed,
             "completed": self._completed, "max_held": self._max_held,
-            "counters": dict(self._counters)}
+            "counters": dict(self._counters), "schedule": [list(e) for e in self._schedule]}
 
   def restore(self, state: dict, ready: dict[int, object]) -> None:
     """Puts a fresh gate (before its worker starts) where a checkpointed one was: the worker's
@@ -289,6 +351,10 @@ class LagGate:
       self._consumed, self._completed = state["consumed"], state["completed"]
       self._max_held = state["max_held"]
       self._counters = dict(state["counters"])
+      # A checkpoint of a fixed lag before schedules were saved: that lag throughout.
+      self._schedule = [(int(b), int(lag)) for b, lag in state.get("schedule", [[0, self.lag]])]
+      if any(not 0 <= lag <= self.max_lag for _, lag in self._schedule):
+        raise ValueError(f"restore: lags {self._schedule} outside 0..{self.max_lag}")
       self._ready = dict(ready)
       self._delivered_ids = set(ready)
       self._last_progress = time.monotonic()
@@ -324,6 +390,8 @@ class LagGate:
     out = {
         "slots_held": held,
         "capacity": self.capacity,
+        # The lag of the batch pulled last (the one this step consumes): its staleness after warm-up.
+        "lag": self._lag_of_locked(max(self._consumed - 1, 0)),
         "utilization": held / self.capacity,
         "max_slots_held": self._max_held,
         "submitted": self._submitted,

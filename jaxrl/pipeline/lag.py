@@ -30,22 +30,33 @@ then never launches a program that spans processes; everything global is the cal
 in the same order on every process: `publish` (the publisher's copy onto each process's rollout
 mesh), and `globalize` of each batch when it is pulled (or, for a checkpoint, in `state_dict`,
 in batch order). Counters a globalized item carries are added when it is globalized.
+
+A lag that tunes itself: pass a `LagTuner` (`jaxrl.pipeline.tuner`) as `lag`. The pipeline times
+each batch's `produce` and the trainer's time between pulls, asks the tuner at each of its
+decision points (the start of a pull) and sets the lag it chooses on the gate from the first
+batch no lag can have started (`LagGate.set_lag`), saying each change with its reason. The
+version of every batch is then `gate.version_of(b)`, its staleness at consumption exactly the
+lag recorded for it (`stats()["lag"]`, the metric `pipeline/lag`), and checkpoints hold the
+gate's lag schedule and the tuner's measurements.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from jaxrl.pipeline.gate import LagGate
 from jaxrl.pipeline.handoff import ParamsHandoff
-from jaxrl.pipeline.worker import InlineWorker, RolloutWorker, params_version
+from jaxrl.pipeline.tuner import LagTuner
+from jaxrl.pipeline.worker import InlineWorker, RolloutWorker
 
 
 class LagPipeline:
 
-  def __init__(self, producer, lag: int, *, stall_timeout_s: float = 600.0,
+  def __init__(self, producer, lag: int | LagTuner, *, stall_timeout_s: float = 600.0,
                inline: bool = False, publisher: Callable | None = None,
-               handoff: ParamsHandoff | None = None, name: str = "rollout-worker"):
+               handoff: ParamsHandoff | None = None, name: str = "rollout-worker",
+               say: Callable[[str], None] = lambda line: None):
     """`producer`: see the module docstring (a bare `produce` callable works without
     checkpoints). An item with a `counts` mapping adds it to the cumulative counters of
     `stats()` when delivered. `inline`: produce in the caller's thread just before each pull
@@ -55,18 +66,33 @@ class LagPipeline:
     `handoff`: the params handoff to publish to, when the producer was built reading it
     (partial rollouts read `handoff.latest`); default a new one.
     A producer with `bind_stop(should_stop)` is given the worker's stop test, which its waits
-    poll (a producer that waits on other processes)."""
+    poll (a producer that waits on other processes).
+    `lag`: an int, or a `LagTuner` (the lag tunes itself; module docstring) whose changes are
+    told to `say`, one line each."""
     self.producer = producer
     make = getattr(producer, "produce", producer)
 
+    self.tuner = lag if isinstance(lag, LagTuner) else None
+    lag = lag.start if self.tuner else lag
+
     def produce(batch_id: int, params, version: int):
+      began = time.monotonic()
       item = make(batch_id, params, version)
+      if self.tuner is not None and self._made:  # the first batch made here compiles
+        self.tuner.observe_generation(batch_id, time.monotonic() - began)
+      self._made += 1
       for name, n in (getattr(item, "counts", None) or {}).items():
         self.gate.add(name, n)
       return item
 
-    self.lag = lag
-    self.gate = LagGate(lag, stall_timeout_s)
+    self.lag = lag  # of batch 0; `gate.lag_of(b)` of any batch
+    self.say = say
+    self.gate = LagGate(lag, stall_timeout_s, max_lag=self.tuner.max_lag if self.tuner else lag)
+    self._pulled_at: float | None = None  # when the last pull returned (the trainer's time)
+    self._told = False  # a decision was said (the first always is)
+    # Batches made and steps timed by this pipeline: the first of each compiles (after a resume
+    # too), so neither is measured.
+    self._made = self._timed = 0
     self.handoff = handoff or ParamsHandoff()
     self.inline = inline
     self.publisher = publisher or (lambda version, params: params)
@@ -98,13 +124,37 @@ class LagPipeline:
 
   def pull(self) -> tuple[int, object]:
     """The next batch in order, `(batch_id, item)`, waiting for it (inline: producing first)."""
+    if self.tuner is not None:
+      self._tune()
     if self.inline:
       self.worker.catch_up()
     batch_id, item = self.gate.pull()
     item = self._globalize(batch_id, item)
-    # The next batch to start is >= batch_id + 1 and needs version >= batch_id + 1 - L.
-    self.handoff.prune_below(max(0, batch_id + 1 - self.lag))
+    # The next batch to start is >= batch_id + 1 (version >= batch_id + 1 - L at a fixed lag).
+    self.handoff.prune_below(self.gate.version_floor(batch_id + 1))
+    self._pulled_at = time.monotonic()
     return batch_id, item
+
+  def _tune(self) -> None:
+    """The tuner's measurement of the trainer's last step and, at its decision points, the lag
+    of the first batch no lag can have started (`LagTuner`)."""
+    nxt = self.gate.checkpoint_state()["consumed"]  # the batch this pull returns
+    if self._pulled_at is not None:
+      if self._timed:
+        self.tuner.observe_train(nxt - 1, time.monotonic() - self._pulled_at)
+      self._timed += 1
+    choice = self.tuner.decide(nxt)
+    if choice is None:
+      return
+    first = nxt + self.gate.max_lag + 1
+    before = self.gate.lag_of(first)
+    self.gate.set_lag(first, choice.lag)
+    # Each change is said, and the first decision even when it keeps the starting lag.
+    if choice.lag != before or not self._told:
+      change = f"{before} -> {choice.lag}" if choice.lag != before else f"{before} kept"
+      self.say(f"lag {change} from step {first + 1} (decided at step {nxt + 1}, "
+               f"rollout.lag_every={self.tuner.every}): {choice.reason}")
+      self._told = True
 
   def _globalize(self, batch_id: int, item):
     """`producer.globalize(item)` once per batch (caller's thread); its counters are added."""
@@ -152,7 +202,7 @@ class LagPipeline:
     host = {"gate": gate or self.gate.checkpoint_state(), "ring": ring}
     if partial:
       newest = self.handoff.latest_version
-      need = range(params_version(gate["submitted"], self.lag), newest)
+      need = range(self.gate.version_floor(gate["submitted"]), newest)
       kept = getattr(self.publisher, "kept", lambda versions: None)(need)
       if kept is None:
         return None
@@ -161,6 +211,8 @@ class LagPipeline:
     for bid in sorted(items):  # globalize: the same order on every process
       item = self._globalized[bid] = self._globalize(bid, items[bid])
       arrays[str(bid)], ring[str(bid)] = self.producer.encode(item)
+    if self.tuner is not None:
+      host["tuner"] = self.tuner.state_dict()
     return arrays, {**self.producer.state_dict(), **host}
 
   def target(self, host: dict) -> dict:
@@ -174,6 +226,8 @@ class LagPipeline:
     """Puts a fresh pipeline (before `__enter__`) where the checkpointed one was."""
     ready = {int(bid): self.producer.decode(arrays[bid], h) for bid, h in host["ring"].items()}
     self.gate.restore(host["gate"], ready)
+    if self.tuner is not None:
+      self.tuner.load_state_dict(host.get("tuner", {}))
     self.producer.load_state_dict(host)
     self._replay = {int(v): a for v, a in arrays.get("versions", {}).items()}
 

@@ -39,6 +39,7 @@ from jaxrl import config as config_lib
 from jaxrl.observe import metrics as metrics_lib
 from jaxrl import parallel
 from jaxrl.envs.agent_task import is_agent
+from jaxrl.core.names import lag_bound
 from jaxrl.pipeline import dynamic_sampling
 from jaxrl.pipeline.batch_meta import BatchMeta, balance_rows
 from jaxrl.pipeline.regenerate import fill_batch
@@ -320,7 +321,7 @@ class RolloutProducer:
     info: dict = {}
     sums: dict = {}
     counts = {"regenerated": 0, "filtered": 0}
-    if ds.enabled and r.lag == 0 and share is None:
+    if ds.enabled and lag_bound(r) == 0 and share is None:
       # Synchronous: whole generation batches into a pending cache until P groups are ready.
       # (Several processes fill their own groups slot by slot, as at lag > 0, below: a pending
       # cache of whole generation batches would draw every process's prompts from one stream.)

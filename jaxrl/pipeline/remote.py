@@ -24,6 +24,7 @@ side finished: the rollout processes return).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -35,6 +36,7 @@ from jaxrl import parallel
 from jaxrl.core.errors import StopWithCheckpoint
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import bridge as bridge_lib
+from jaxrl.parallel import transport
 from jaxrl.parallel.sides import rollout_groups, rollout_rank, sides, train_processes
 from jaxrl.pipeline.producer import LocalRows, ProcessShare, RingItem, RolloutProducer, combine
 from jaxrl.pipeline.worker import params_version
@@ -86,10 +88,12 @@ class Versions:
   """How each params version crosses to the rollout processes (both sides build the same one from
   the run's `parts` and the base model's `params`, or arrays of their shapes).
 
-  Over TCP, point to point (`bridge.VersionServer`): each train process serves its rows of each
-  version's packed params (`ParamsBridge.host_rows`), its address under `versions/<process>`
+  Over TCP, point to point (`transport.VersionServer`): each train process serves its rows of
+  each version's packed params (`ParamsBridge.host_rows`), its address under `versions/<process>`
   in the channel, and each rollout process fetches every train process's rows of the version it
-  needs (`fetch_version`) and unpacks them on its own devices (`ParamsBridge.from_rows`). No
+  needs (a `transport.VersionClient` per train process: checksummed, whole or, with
+  `rollout.sync = "delta"`, what changed since the version it holds) and unpacks them on its own
+  devices (`ParamsBridge.from_rows`). No
   program spans both sides, so a lost rollout process costs only its own connections
   (docs/failures.md). Without LoRA the whole params cross (wire dtype `wire_dtype`, arriving in
   the samplers' dtype). With LoRA (`model.lora`), as colocated (`lora.AdapterSync`): the frozen
@@ -109,18 +113,22 @@ class Versions:
     lora = lora_lib.with_lora(parts.model_cfg, cfg.model.lora)
     self.lora = lora if lora.lora_rank else None
     self.dtype = rollout_dtype(cfg)
-    self.server: bridge_lib.VersionServer | None = None  # train side, `serve`
-    self._addresses: dict[int, str] = {}  # rollout side: each train process's server
+    self.sync = cfg.rollout.sync  # "full" | "delta" (`jaxrl.parallel.transport`)
+    self.server: transport.VersionServer | None = None  # train side, `serve`
+    self._clients: dict[int, transport.VersionClient] = {}  # rollout side: one per server
+    self.faults = transport.SyncFaults.from_env()  # test faults (this process's arrivals)
     if self.lora is None:
       self.whole = bridge_lib.ParamsBridge(train, groups, params, wire_dtype(cfg, params),
                                            self.dtype)
       self.shardings = {"whole": parts.rollout_shardings}
+      self.itemsize = self.whole.wire.itemsize  # what a delta diffs by
       return
     full = lora_lib.join(params, lora_lib.abstract_adapters(self.lora))
     adapters = lora_lib.split(full)[0]
     self.base = bridge_lib.ParamsBridge(train, groups, full, jax.tree.leaves(full)[0].dtype)
     self.adapters = bridge_lib.ParamsBridge(train, groups, adapters,
                                             jax.tree.leaves(adapters)[0].dtype)
+    self.itemsize = self.adapters.wire.itemsize  # a delta diffs adapters against adapters
     mesh = parts.rollout_mesh
     self.shardings = {"base": parallel.param_shardings(full, mesh),
                       "adapters": parallel.param_shardings(adapters, mesh)}
@@ -138,7 +146,8 @@ class Versions:
 
   def serve(self) -> None:
     """Train side: starts this process's server and says where it is."""
-    self.server = bridge_lib.VersionServer(bridge_lib.reachable_host(), 0, self.timeout_s)
+    self.server = transport.VersionServer(bridge_lib.reachable_host(), 0, self.timeout_s,
+                                          self.itemsize if self.sync == "delta" else None)
     self.channel.set(f"versions/{jax.process_index()}", self.server.address)
 
   def send(self, version: int, params) -> str:
@@ -154,7 +163,7 @@ class Versions:
         kind, data = "base", self.base.host_rows(params)
       else:
         kind, data = "adapters", self.adapters.host_rows(adapters)
-    self.server.publish(version, kind.encode() + b"\n" + data)
+    self.server.publish(version, _head(kind) + data)
     self.server.retire_below(version - self.lag)
     return kind
 
@@ -164,18 +173,20 @@ class Versions:
     first)."""
     rows, kinds = {}, set()
     for q in self.trainers:
-      if q not in self._addresses:
-        self._addresses[q] = self.channel.wait(f"versions/{q}", should_stop)
+      if q not in self._clients:
+        self._clients[q] = transport.VersionClient(
+            self.channel.wait(f"versions/{q}", should_stop), self.sync == "delta", self.faults,
+            functools.partial(print, flush=True), name=f"train process {q}")
       while True:
         if should_stop():
           raise bridge_lib.ChannelClosed(f"version {version}")
         try:
-          data = bridge_lib.fetch_version(self._addresses[q], version, min(self.timeout_s, 5.0))
+          data = self._clients[q].fetch(version, min(self.timeout_s, 5.0))
           break
         except TimeoutError:  # not published yet (the train step that makes it is running)
           continue
-      kind, rows[q] = data.split(b"\n", 1)
-      kinds.add(kind.decode())
+      rows[q] = memoryview(data)[HEAD:]  # no copy of the version's bytes
+      kinds.add(bytes(data[:HEAD]).decode().strip())
     if len(kinds) != 1:
       raise RuntimeError(f"version {version} arrived as {sorted(kinds)} from the train processes")
     kind = kinds.pop()
@@ -189,9 +200,20 @@ class Versions:
     return lora_lib.merge(self.lora, lora_lib.join(self._base, adapters), self.dtype,
                           self._rest)
 
+  def received(self) -> str:
+    """Rollout side: one line on how the versions came (`transport.received`)."""
+    return transport.received(list(self._clients.values()), self.sync)
+
   def close(self) -> None:
     if self.server is not None:
       self.server.close()
+
+
+HEAD = 16  # bytes of a version's kind ahead of its rows: the rows stay aligned for a delta
+
+
+def _head(kind: str) -> bytes:
+  return kind.encode().ljust(HEAD - 1) + b"\n"
 
 
 def horizon(steps: int, lag: int) -> int:

@@ -1,7 +1,7 @@
 """The rollout worker: one supervised host thread that fills the lag ring.
 
-Loop: reserve a slot for batch b -> wait for params version `params_version(b, lag)` -> produce ->
-deliver. Any exception (including KeyboardInterrupt/SystemExit raised in the thread) is handed to
+Loop: reserve a slot for batch b -> wait for params version `gate.version_of(b)` (=
+`params_version(b, lag)` at a fixed lag) -> produce -> deliver. Any exception (including KeyboardInterrupt/SystemExit raised in the thread) is handed to
 the gate, so the trainer's pull raises WorkerFailed with the original traceback; the thread then
 exits. `stop()` closes the gate, which wakes every wait in this loop; `produce` itself must be
 interruptible (poll `worker.should_stop()` in long waits) for stop to be prompt.
@@ -41,7 +41,7 @@ class RolloutWorker:
 
   def __init__(self, gate: LagGate, handoff: ParamsHandoff, produce, lag: int,
                name: str = "rollout-worker"):
-    if lag != gate.lag:
+    if lag != gate.lag:  # the lag of batch 0; the gate holds every batch's (`LagGate.lag_of`)
       raise ValueError(f"worker lag {lag} != gate lag {gate.lag}")
     self.gate = gate
     self.handoff = handoff
@@ -60,7 +60,7 @@ class RolloutWorker:
         batch_id = self.gate.reserve()
         if batch_id is None:
           return
-        version = params_version(batch_id, self.lag)
+        version = self.gate.version_of(batch_id)
         params = self.handoff.get(version, should_stop=self.should_stop)
         item = self.produce(batch_id, params, version)
         self.gate.deliver(batch_id, item)
@@ -105,7 +105,7 @@ class InlineWorker:
   """The rollout loop run by the trainer: call `catch_up()` right before each `gate.pull()`.
 
   `catch_up` frees the previously pulled batch's slot (as the pull would), then reserves and
-  produces every batch that now has a free slot, each with params `params_version(b, lag)`,
+  produces every batch that now has a free slot, each with params `gate.version_of(b)`,
   which the trainer has always published by then (see `params_version`). The ring therefore
   holds the same batches, made with the same versions, as with `RolloutWorker`; only the
   overlap of rollout and training is lost. An exception in `produce` propagates to the caller.
@@ -125,7 +125,7 @@ class InlineWorker:
     self.gate.release()
     made = 0
     while (batch_id := self.gate.try_reserve()) is not None:
-      version = params_version(batch_id, self.lag)
+      version = self.gate.version_of(batch_id)
       params = self.handoff.get(version, timeout=0.0)
       self.gate.deliver(batch_id, self.produce(batch_id, params, version))
       made += 1

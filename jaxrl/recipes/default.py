@@ -158,6 +158,7 @@ def get_config() -> ConfigDict:
   # e.g. '{"basic_arithmetic": {"max_terms": 3}}'.
   c.task.rg_config = ""
   c.task.num_digits = 2  # operands are zero-padded to this many digits
+  c.task.max_operand = 0  # task "word_math": operands from 1 to this; 0 = num_digits-digit numbers
   c.task.dev_size = 1000  # split used only by the warm-up stopping rule
   c.task.val_size = 1000  # held-out split used only for reported accuracy
 
@@ -206,13 +207,21 @@ def get_config() -> ConfigDict:
   c.rollout.kv_cache_dtype = "auto"
   c.rollout.logprobs = True  # keep the sampler's log-probs (corrections, rollout KL, mismatch)
   # Forced lag L: a background worker generates batch t with the params published after step
-  # t - L (staleness exactly min(t, L)); 0 = synchronous on-policy training.
+  # t - L (staleness exactly min(t, L)); 0 = synchronous on-policy training. "auto": the lag
+  # tunes itself from the measured generation and train times (docs/training.md).
   c.rollout.lag = 0
+  c.rollout.max_lag = 2  # lag "auto": the largest lag it may choose (a ring of max_lag + 1 slots)
+  c.rollout.lag_every = 10  # lag "auto": steps between its decisions (each logged with its reason)
   c.rollout.max_regenerations = 8  # re-samples of filtered groups per batch before failing
   c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
   # Partial rollouts (rollout.engine=continuous): a batch starts on its forced-lag params and
   # switches to newer published params between decode dispatches; tokens carry their version.
   c.rollout.partial_rollouts = False
+  # How each params version reaches the rollout processes (mesh.rollout_processes): "full" (the
+  # whole version every time) or "delta" (what changed since the version the process holds;
+  # a full copy when it holds another; only with mesh.rollout_processes). Either way each
+  # version's crc32 is checked on arrival.
+  c.rollout.sync = "full"
   # Generation: "static" (every row of a batch decodes until the slowest ends) or "continuous"
   # (a slot engine: a finished row's slot takes the next waiting row at once; same tokens for
   # the same keys).

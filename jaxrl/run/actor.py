@@ -87,6 +87,8 @@ def serve(parts, params, mesh_shape, progress: metrics_lib.Progress, stop=None, 
   except BaseException:
     quit_saving.set()
     raise
+  # Printed, not said: a rollout process's progress lines are quiet, this one is its report.
+  print(f"jaxrl | rollout process {jax.process_index()}: {versions.received()}", flush=True)
   while saver is not None and saver.is_alive():  # until the train side closes its checkpoints
     saver.join(0.5)
   return made

@@ -1,8 +1,9 @@
 """A run directory has one owner and one run.
 
-- `RunDirLock`: `<run_dir>/.jaxrl.lock` holds the owner's host, pid and start time, created
-  exclusively; a second run in the same directory is refused with a message naming the owner. A
-  lock whose process is gone (same host, pid not alive) is taken over.
+- `RunDirLock`: an OS lock (`flock`) on `<run_dir>/.jaxrl.lock`, held for the run's life, so a
+  dead owner holds nothing whatever its pid; the file holds the owner's host, pid and start time,
+  named when a second run in the same directory is refused. On a filesystem without locks the
+  owner line alone decides (a lock whose pid is not alive on the same host is taken over).
 - `existing_run` / `move_aside`: the files a run writes. A run that starts over in a directory
   holding another run's files (killed before its first checkpoint, or `--config.overwrite=true`)
   first moves them to `<run_dir>/previous-<n>/`, named on the console: nothing is appended to an
@@ -12,11 +13,17 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import socket
 import time
+
+try:
+  import fcntl
+except ImportError:  # not a POSIX system: the owner line alone (`RunDirLock`)
+  fcntl = None
 
 from jaxrl.runtime import checkpoint
 from jaxrl.core.errors import UserError
@@ -63,8 +70,36 @@ def _alive(pid: int) -> bool:
   return True
 
 
+# The errors of `flock` on a filesystem that has no locks (some NFS mounts, some FUSE ones): the
+# lock falls back to the owner line's pid.
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+# The locks this process holds, by the lock file's real path: a second `RunDirLock` on one
+# directory in one process is refused even where the kernel emulates `flock` with per-process
+# POSIX locks (NFS), and a forked child closes its copies (it neither keeps a lock past its
+# parent's death nor releases the parent's).
+_HELD: dict[str, "RunDirLock"] = {}
+
+
+def _close_in_child() -> None:
+  for lock in list(_HELD.values()):
+    lock.forget()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+  os.register_at_fork(after_in_child=_close_in_child)
+
+
 class RunDirLock:
-  """Exclusive ownership of a run directory (see the module docstring); a context manager."""
+  """Exclusive ownership of a run directory, held for the run's life; a context manager.
+
+  The lock is the kernel's (`fcntl.flock` on `<run_dir>/.jaxrl.lock`, its file descriptor kept
+  open until `release`), so a run that dies, even by SIGKILL, holds nothing, whatever pid its
+  restart gets (in a container the run is pid 1 every time). The file also holds the owner line
+  (host, pid, start), which a refused run names. On a filesystem without locks (`flock` raises
+  ENOLCK or EOPNOTSUPP: some NFS) it falls back to the owner line alone: the file is created
+  exclusively and a lock whose pid is not alive on the same host is taken over, so there a lock
+  that names a live pid (the restarted run's own, in a container) is removed by hand.
+  """
 
   def __init__(self, run_dir: str):
     self.run_dir = run_dir
@@ -72,10 +107,51 @@ class RunDirLock:
     self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     self.held = self.created = False
+    self.fd: int | None = None  # the flock's descriptor while held (None: the fallback)
+    self.key: str | None = None  # its key in `_HELD`
 
   def acquire(self) -> RunDirLock:
     self.created = not os.path.exists(self.run_dir)  # removed again if the run writes nothing
     os.makedirs(self.run_dir, exist_ok=True)
+    key = os.path.realpath(self.path)
+    if key in _HELD:
+      raise self.in_use(_HELD[key].owner)
+    if fcntl is None or not self._acquire_flock():
+      self._acquire_by_pid()
+    self.key = key
+    _HELD[key] = self
+    return self
+
+  def _acquire_flock(self) -> bool:
+    """Takes the kernel lock and writes the owner line; False on a filesystem without locks."""
+    for _ in range(100):  # a retry when the owner removed the file between our open and flock
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        raise self.in_use(self._read()) from None
+      except OSError as e:
+        os.close(fd)
+        if e.errno in NO_LOCKS:
+          return False
+        raise
+      try:
+        same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+      except FileNotFoundError:
+        same = False
+      if not same:  # we locked a file its owner has just removed: lock the one there now
+        os.close(fd)
+        continue
+      os.ftruncate(fd, 0)
+      os.write(fd, json.dumps(self.owner).encode())
+      self.fd, self.held = fd, True
+      return True
+    raise RunDirError(f"could not take the lock {self.path}; it was removed and recreated "
+                      "100 times while this run tried")
+
+  def _acquire_by_pid(self) -> None:
+    """The fallback: an exclusively created file; a stale one (its pid gone) is taken over."""
     for _ in range(2):  # a second try after taking over a stale lock
       try:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -83,10 +159,7 @@ class RunDirLock:
         other = self._read()
         if other is not None and (other.get("host") != self.owner["host"] or
                                   _alive(int(other.get("pid", -1)))):
-          raise RunDirError(
-              f"run directory {self.run_dir} is in use by pid {other.get('pid')} on "
-              f"{other.get('host')} (since {other.get('started')}); wait for it, stop it, or "
-              f"pick another --config.run_dir (a stale lock is {self.path})") from None
+          raise self.in_use(other, stale=True) from None
         try:  # its owner is gone (or the file is unreadable garbage): take it over
           os.remove(self.path)
         except FileNotFoundError:
@@ -95,8 +168,16 @@ class RunDirLock:
       with os.fdopen(fd, "w") as f:
         json.dump(self.owner, f)
       self.held = True
-      return self
+      return
     raise RunDirError(f"could not take the lock {self.path}; another run took it first")
+
+  def in_use(self, other: dict | None, stale: bool = False) -> RunDirError:
+    """The refusal naming the owner line `other` (None: unreadable, being written)."""
+    who = ("another process (its owner line is being written)" if other is None else
+           f"pid {other.get('pid')} on {other.get('host')} (since {other.get('started')})")
+    hint = f" (a stale lock is {self.path})" if stale else ""
+    return RunDirError(f"run directory {self.run_dir} is in use by {who}; wait for it, stop it, "
+                       f"or pick another --config.run_dir{hint}")
 
   def _read(self) -> dict | None:
     try:
@@ -106,11 +187,26 @@ class RunDirLock:
     except (OSError, ValueError):
       return None
 
+  def forget(self) -> None:
+    """Drops this process's hold without touching the file (a forked child's copy)."""
+    _HELD.pop(self.key, None)
+    if self.fd is not None:
+      os.close(self.fd)
+    self.fd, self.held = None, False
+
   def release(self) -> None:
     if self.held:
-      self.held = False
-      if self._read() == self.owner:
+      _HELD.pop(self.key, None)
+      if self.fd is not None:  # ours while the flock is held: removed, then unlocked
+        try:
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+        os.close(self.fd)
+        self.fd = None
+      elif self._read() == self.owner:
         os.remove(self.path)
+      self.held = False
       if self.created and not os.listdir(self.run_dir):  # a run refused before writing anything
         os.rmdir(self.run_dir)
 
@@ -147,6 +243,7 @@ def move_aside(run_dir: str) -> str | None:
 # mesh, evaluation) may change on resume.
 CHECKPOINT_KEYS = (
     "seed", "task.name", "task.weights", "task.num_digits", "task.path", "rollout.lag",
+    "rollout.max_lag",
     "rollout.num_prompts", "rollout.group_size", "rollout.max_prompt_len",
     "rollout.max_new_tokens", "rollout.max_total_tokens", "rollout.logprobs", "model.hf_path",
     "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",

@@ -24,6 +24,7 @@ import jax
 
 from jaxrl import parallel
 from jaxrl.core.errors import StopWithCheckpoint, UserError
+from jaxrl.core.names import AUTO_LAG
 from jaxrl.core.types import TrainBatch
 from jaxrl.learner.rl import CompileAhead, build_rl_step
 from jaxrl.learner.step import model_params
@@ -34,6 +35,7 @@ from jaxrl.observe.rows import step_row
 from jaxrl.pipeline import LagPipeline, ParamsHandoff
 from jaxrl.pipeline.gate import WorkerFailed
 from jaxrl.pipeline.producer import train_fields
+from jaxrl.pipeline.tuner import LagTuner
 from jaxrl.run import directory as run_dir_lib
 from jaxrl.run.state import LoopState
 from jaxrl.run.validation import Evaluator
@@ -93,8 +95,9 @@ def rl(parts, params, topology, io: RunIO, *, start: LoopStart | None = None,
   handoff = ParamsHandoff()  # partial rollouts read its newest version while decoding
   feed = topology.feed(parts, params, handoff, io.main)
   state = step.init_state(params)
-  pipe = LagPipeline(feed.producer, r.lag, stall_timeout_s=r.stall_timeout_s, inline=feed.inline,
-                     publisher=feed.publisher, handoff=handoff)
+  lag = LagTuner(r.max_lag, r.lag_every) if r.lag == AUTO_LAG else r.lag
+  pipe = LagPipeline(feed.producer, lag, stall_timeout_s=r.stall_timeout_s, inline=feed.inline,
+                     publisher=feed.publisher, handoff=handoff, say=io.progress.say)
   # Its passes run on threads named jaxrl-validation-<step> (benchmarks/soak.py counts them).
   evaluator = Evaluator(parts, asynchronous=v.asynchronous and feed.asynchronous_eval,
                         max_wait_s=v.max_wait_s, name="jaxrl-validation")
@@ -127,6 +130,17 @@ def rl(parts, params, topology, io: RunIO, *, start: LoopStart | None = None,
   return model_params(run.state), run.summary()
 
 
+def _lag_text(r, pipe: LagPipeline) -> str:
+  """`r.lag`, or for `auto` its range and the lag of the next batch: the starting lag on a fresh
+  run, the lag in force (restored from the checkpoint's schedule) on a resumed one."""
+  if r.lag != AUTO_LAG:
+    return str(r.lag)
+  nxt = pipe.gate.checkpoint_state()["consumed"]  # the batch the next step trains on
+  now = pipe.gate.lag_of(nxt)
+  where = f"starting at {now}" if nxt == 0 else f"resuming at lag {now} from step {nxt + 1}"
+  return f"auto (0..{r.max_lag}, {where}, decided every {r.lag_every} steps)"
+
+
 class _Steps:
   """What one RL step does, after `rl` has set the run up."""
 
@@ -148,7 +162,7 @@ class _Steps:
       say(where)
     ds = " with dynamic sampling" if cfg.dynamic_sampling.enabled else ""
     say(f"RL: {cfg.train.steps} GRPO steps of {r.num_prompts} prompts x {r.group_size} samples, "
-        f"lag {r.lag}{ds}")
+        f"lag {_lag_text(r, self.pipe)}{ds}")
     if lora is not None:
       trained, total = lora_lib.counts(model_params(self.state))
       opt_values = sum(int(x.size) for x in jax.tree.leaves(self.state.opt_state))

@@ -169,6 +169,9 @@ class RemotePublisher:
                       self.receiver.remote_state)
 
   def close(self) -> None:
+    server = self.sender.versions.server
+    if self.sender.main and server is not None:  # what crossed (`rollout.sync`)
+      print(f"jaxrl | {server.summary()}", flush=True)
     self.sender.done()
     said = self.receiver.summary()
     if said is not None and self.sender.main:

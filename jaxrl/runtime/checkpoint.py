@@ -8,6 +8,8 @@ subdirectory per saved step (`<dir>/<step>/`), each holding two items written by
   params), through Orbax's standard PyTree handler. Every process writes its own shards.
 - `host`: a JSON dict of everything else resume needs (numpy RNG states, data cursor, counters,
   the lag ring's batch metadata, the validation schedule, ...), written by process 0.
+- `digest`: a CRC-32 of every array, computed off the training thread and checked by every
+  restore (`jaxrl.runtime.digest`): bytes damaged after the save make the step unreadable.
 
 Contract:
 
@@ -40,6 +42,7 @@ Contract:
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -48,15 +51,16 @@ import shutil
 import warnings
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxrl.core.errors import UserError
-from jaxrl.runtime import quiet
+from jaxrl.runtime import digest, quiet
+from jaxrl.runtime.host_json import (  # noqa: F401  (the names checkpoint users import from here)
+    check_json, from_json_num, json_num, numpy_rng_state, restore_numpy_rng)
 
 CHECKPOINT_SUBDIR = "checkpoints"
-_ITEMS = ("state", "host")
+_ITEMS = ("state", "host", digest.ITEM)
 # Files every finalized step holds: Orbax's step metadata, the host JSON, the state's tree
 # metadata and its OCDBT manifest.
 _STEP_FILES = ("_CHECKPOINT_METADATA", "host/metadata", "state/_METADATA", "state/manifest.ocdbt")
@@ -99,15 +103,17 @@ def step_problem(directory: str, step: int) -> str | None:
   """What makes finalized checkpoint `step` of `directory` unusable, or None.
 
   Checked without reading the arrays: every file a step holds is there (`_STEP_FILES`), the host
-  JSON and the state metadata parse, and no array data file is empty. Anything else (truncated
-  or corrupt array data) is found by the restore itself, which reads every array
-  (`Checkpointer.restore` raises `UnreadableStep` for any failure).
+  JSON, the state metadata and the digests (of a step saved with them) parse, and no array data
+  file is empty. Anything else (truncated, corrupt or damaged array data) is found by the
+  restore itself, which reads and hashes every array (`Checkpointer.restore` raises
+  `UnreadableStep` for any failure).
   """
   root = os.path.join(_abs(directory), str(step))
-  for rel in _STEP_FILES:
+  hashed = (f"{digest.ITEM}/metadata",) if digest.required(root) else ()
+  for rel in _STEP_FILES + hashed:
     if not os.path.isfile(os.path.join(root, rel)):
       return f"{rel} is missing"
-  for rel in ("host/metadata", "state/_METADATA"):
+  for rel in ("host/metadata", "state/_METADATA") + hashed:
     try:
       with open(os.path.join(root, rel), "rb") as f:
         got = json.loads(f.read().decode("utf-8"))
@@ -147,14 +153,21 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
-               read_only: bool = False, processes: tuple[int, ...] | None = None):
-    """`processes`: the processes that save and restore (None: all); the others make no calls."""
+               read_only: bool = False, processes: tuple[int, ...] | None = None, say=print):
+    """`processes`: the processes that save and restore (None: all); the others make no calls.
+    `say`: where the one line about a step restored without digests goes."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise ValueError(f"checkpoint keep must be an int >= 1, got {keep!r}")
     self.directory = _abs(directory)
     self.keep = keep
     self.read_only = read_only
     self.save_bytes = 0  # the arrays and host JSON of the last save: what a save needs on disk
+    self.say = say
+    # Digests: one thread per save waits on the hashers (zlib releases the GIL: arrays hash in
+    # parallel); Orbax's commit of the `digest` item waits on that thread's result.
+    self._digests = concurrent.futures.ThreadPoolExecutor(1, "jaxrl-digest")
+    self._hashers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+                                                          "jaxrl-digest-crc")
     quiet.install()  # Orbax's threads repeat a failure this class reports (jaxrl.runtime.quiet)
     some = {}
     # Process 0 saving alone among several holds every array whole, which Orbax refuses to write
@@ -196,7 +209,7 @@ class Checkpointer:
     if self.read_only:
       raise ValueError(f"checkpoint directory {self.directory} was opened read-only")
     step = int(step)
-    _check_json(host, "host")
+    check_json(host, "host")
     host = json.loads(json.dumps(host))  # a snapshot: the caller may mutate host right away
     steps = self._mngr.all_steps()  # includes a save in flight
     force = force or replace
@@ -215,13 +228,20 @@ class Checkpointer:
         self._mngr.delete(s)
     self.save_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + \
         len(json.dumps(host))
-    if self._host_copies:
+    hashed = digest.verifiable(state)
+    if self._host_copies or hashed:
+      # The host copy Orbax would make itself, made here so that the digests hash the very
+      # bytes written; Orbax then writes these numpy arrays (the same values and files).
       state = jax.device_get(state)
+    items = {"state": ocp.args.StandardSave(state), "host": ocp.args.JsonSave(host)}
+    if hashed:
+      items[digest.ITEM] = digest.DigestSave(self._digests.submit(digest.compute, state,
+                                                                  self._hashers))
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
     try:
       return bool(self._mngr.save(
-          step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    host=ocp.args.JsonSave(host))))
+          step, force=True, args=ocp.args.Composite(**items),
+          custom_metadata={digest.MARK: digest.ALGORITHM} if hashed else None))
     except Exception as e:  # noqa: BLE001  a full disk, a read-only or vanished directory; also
       # the previous save's failure, which Orbax raises here (a ValueError for TensorStore's)
       raise self._save_failed(e) from e
@@ -293,7 +313,24 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001  truncated or corrupt files: Orbax raises ValueError,
       # OSError, or a bare Exception wrapping TensorStore's error for an array's bytes
       raise UnreadableStep(self.directory, step, restore_cause(e)) from e
+    self._verify(step, out.state)
     return out.state, out.host
+
+  def _verify(self, step: int, tree) -> None:
+    """Raises `UnreadableStep` naming the first array of restored `tree` whose bytes differ
+    from the digest saved with step `step`; a step saved without digests is restored (one
+    line through `say`)."""
+    root = os.path.join(self.directory, str(step))
+    if not digest.required(root) or not digest.verifiable(tree):
+      why = "saved without them" if digest.verifiable(tree) else "arrays span processes"
+      self.say(f"jaxrl: checkpoint {root} restored without verifying its array digests ({why})")
+      return
+    try:
+      problem = digest.mismatch(digest.read(root), tree, self._hashers)
+    except (OSError, ValueError) as e:
+      problem = f"{digest.ITEM}/metadata is unreadable ({type(e).__name__}: {e})"
+    if problem is not None:
+      raise UnreadableStep(self.directory, step, problem)
 
   def restore_params(self, step: int | None, target) -> tuple[int, object]:
     """`(step, params)`: only the policy parameters of a training checkpoint (the optimizer
@@ -304,6 +341,7 @@ class Checkpointer:
     args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tgt)
     out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=tgt, restore_args=args, partial_restore=True)))
+    self._verify(step, out.state)
     return step, out.state["train"]["params"]
 
   def restore_fields(self, step: int | None, targets: dict) -> tuple[int, dict]:
@@ -317,6 +355,7 @@ class Checkpointer:
     args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tgt)
     out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=tgt, restore_args=args, partial_restore=True)))
+    self._verify(step, out.state)
     return step, {k: out.state["train"][k] for k in targets}
 
   def _existing(self, step: int | None) -> int:
@@ -347,6 +386,9 @@ class Checkpointer:
       self._mngr.close()
     except Exception as e:  # noqa: BLE001  (Orbax wraps the writer's error)
       raise self._save_failed(e) from e
+    finally:
+      self._digests.shutdown()
+      self._hashers.shutdown()
 
 
 def restore_cause(e: BaseException) -> str:
@@ -445,56 +487,3 @@ def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None] | None:
   if name.isdigit() and int(name) in complete_steps(parent):
     return parent, int(name)
   raise CheckpointError(f"resume path {resume!r} holds no complete checkpoint")
-
-
-def numpy_rng_state(rng: np.random.Generator) -> dict:
-  """JSON-safe state of a PCG64 Generator. The 128-bit integers are decimal strings: JSON
-  readers that parse numbers as doubles would silently round them."""
-  s = rng.bit_generator.state
-  if s["bit_generator"] != "PCG64":
-    raise ValueError(f"only PCG64 generators are checkpointed, got {s['bit_generator']}")
-  return {"bit_generator": "PCG64", "state": str(s["state"]["state"]),
-          "inc": str(s["state"]["inc"]), "has_uint32": int(s["has_uint32"]),
-          "uinteger": int(s["uinteger"])}
-
-
-def restore_numpy_rng(state: dict) -> np.random.Generator:
-  """The Generator `numpy_rng_state` described: its next draws are the original's next draws
-  (including the buffered half of a 64-bit word used by 32-bit draws)."""
-  if state.get("bit_generator") != "PCG64":
-    raise ValueError(f"not a PCG64 state: {state.get('bit_generator')!r}")
-  bits = np.random.PCG64()
-  bits.state = {"bit_generator": "PCG64",
-                "state": {"state": int(state["state"]), "inc": int(state["inc"])},
-                "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"])}
-  return np.random.Generator(bits)
-
-
-def _check_json(x, where: str) -> None:
-  """Rejects what JSON would change on the way back (tuples -> lists, int keys -> str keys) or
-  cannot hold (numpy scalars, objects), so a resumed run sees exactly the host state it saved.
-  Non-finite floats pass: Python's json writes and reads them (NaN, Infinity)."""
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return
-  if isinstance(x, list):
-    for i, v in enumerate(x):
-      _check_json(v, f"{where}[{i}]")
-    return
-  if isinstance(x, dict):
-    for k, v in x.items():
-      if not isinstance(k, str):
-        raise ValueError(f"{where} has key {k!r} of type {type(k).__name__}; JSON keys are str")
-      _check_json(v, f"{where}[{k!r}]")
-    return
-  raise ValueError(f"{where} is a {type(x).__name__}, which does not round-trip through JSON "
-                   "(use lists, dicts with str keys, str, int, float, bool, None)")
-
-
-def json_num(x):
-  """Numbers for a checkpoint's JSON: floats as repr strings (exact, NaN-safe), ints as is."""
-  return repr(float(x)) if isinstance(x, (float, np.floating)) else int(x)
-
-
-def from_json_num(x):
-  """The number `json_num` wrote."""
-  return float(x) if isinstance(x, str) else x
