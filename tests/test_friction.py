@@ -332,6 +332,45 @@ def test_compile_cache_directory_is_resolved_from_the_setting():
   assert compile_cache.resolve("~/c", {}) == os.path.join(home, "c")
 
 
+_COMPILE_ONE = """
+import sys, warnings
+warnings.simplefilter("error")
+import jax, jax.numpy as jnp
+from jaxrl.runtime import compile_cache
+setting = sys.argv[1]
+if setting != "-":
+  compile_cache.enable(setting)
+else:  # a plain JAX program on $JAX_COMPILATION_CACHE_DIR: JAX's own defaults, no eviction
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+print(float(jax.jit(lambda x: jnp.sin(x) * float(sys.argv[2]))(1.0)))
+"""
+
+
+def test_a_cache_directory_another_jax_program_writes_to_stays_usable(tmp_path):
+  # JAX's eviction (a max size) reads an access-time file per entry that a writer without eviction
+  # never makes: with eviction on beside such entries, every write warned and cached nothing.
+  shared = tmp_path / "xla"
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(shared), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": ""}
+
+  def compile_one(setting, k, **extra):
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ONE, setting, str(k)],
+                          env={**env, **extra}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Error writing persistent compilation cache" not in proc.stderr, proc.stderr[-2000:]
+    return {p.name for p in shared.iterdir()}
+
+  plain = compile_one("-", 2)  # an entry without an access-time file
+  assert plain and not any(n.endswith("-atime") for n in plain)
+  compile_one("auto", 3)  # jaxrl on JAX's directory: JAX's size policy
+  assert compile_cache.from_environment("auto", env)
+  assert not compile_cache.from_environment(str(shared), env)
+  after = compile_one(str(shared), 4)  # jaxrl's own policy (eviction) on that same directory
+  entries = {n[: -len("-cache")] for n in after if n.endswith("-cache")}
+  assert len(entries) >= 3 and {f"{e}-atime" for e in entries} <= after
+
+
 def test_an_unusable_compile_cache_directory_is_a_config_error(tmp_path):
   a_file = tmp_path / "file"
   a_file.write_text("x")

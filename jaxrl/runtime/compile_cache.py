@@ -3,8 +3,12 @@
 On by default (`compile_cache = "auto"`): `$JAX_COMPILATION_CACHE_DIR` when set, else
 `$XDG_CACHE_HOME/jaxrl/xla` (`~/.cache/jaxrl/xla`). A path puts it there; `""` turns it off.
 Every program is cached, however fast it compiled: a run compiles dozens of small programs
-(sampling, the data plane, evaluation), and together they are most of its start-up. The cache
-evicts its least recently used entries beyond `MAX_BYTES`. XLA's cache key covers the program,
+(sampling, the data plane, evaluation), and together they are most of its start-up. jaxrl's own
+directory (a path, or `~/.cache/jaxrl/xla`) evicts its least recently used entries beyond
+`MAX_BYTES`. `$JAX_COMPILATION_CACHE_DIR` is JAX's, shared with every JAX program that reads it,
+so its size policy stays JAX's (`JAX_COMPILATION_CACHE_MAX_SIZE`, unbounded by default): JAX's
+eviction reads a per-entry access-time file that a writer without eviction never makes, and would
+fail every write beside one. XLA's cache key covers the program,
 the devices, the backend and `XLA_FLAGS`, so runs on other device counts or instruction sets never
 share an entry.
 """
@@ -77,8 +81,39 @@ def enable(setting: str, env: Mapping[str, str] | None = None) -> str | None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  if not from_environment(setting, env):
+    _add_missing_access_times(path)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return path
+
+
+def from_environment(setting: str, env: Mapping[str, str] | None = None) -> bool:
+  """Whether `setting` means the directory `$JAX_COMPILATION_CACHE_DIR` names (JAX's, shared)."""
+  env = os.environ if env is None else env
+  return setting.strip() == "auto" and bool(env.get("JAX_COMPILATION_CACHE_DIR", "").strip())
+
+
+def _add_missing_access_times(path: str) -> None:
+  """Gives every entry without one the access-time file JAX's eviction reads (its mtime), so a
+  directory a writer without eviction once filled (another JAX program, an older jaxrl) is not a
+  reason for every later write to fail."""
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return
+  present = set(names)
+  for name in names:
+    if not name.endswith("-cache"):
+      continue
+    atime = name[: -len("-cache")] + "-atime"
+    if atime in present:
+      continue
+    try:
+      stamp = int(os.stat(os.path.join(path, name)).st_mtime * 1e9)
+      with open(os.path.join(path, atime), "wb") as f:
+        f.write(stamp.to_bytes(8, "little"))
+    except OSError:
+      pass
 
 
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
