@@ -41,9 +41,15 @@ def _rows(path):
     return [json.loads(line) for line in f]
 
 
-def _same(a, b) -> bool:
+def _same(a, b, key: str = "") -> bool:
+  """Equal up to f32 printing; `mismatch/*` (the float noise between the sampler's and the train
+  step's log-prob passes) within 1e-4: XLA's CPU code for those two programs differs by
+  instruction set: on a 2-core AVX2-only machine (2026-12-04) `mismatch/abs_diff/max` of step 4
+  read 0.3814487 where the fixture has 0.3814435 (rel 1.4e-5), every other value equal, at the
+  fixture's commit's code as at today's."""
   if isinstance(a, float) and isinstance(b, float):
-    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+    rel = 1e-4 if key.startswith("mismatch/") else 1e-5
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
   return a == b
 
 
@@ -64,7 +70,7 @@ def test_a_run_dir_of_the_flat_layout_resumes_and_continues_exactly(tmp_path):
   for old, new in zip(before[2:], after[2:]):
     keys = {k for k in old if not _timing(k)}
     assert keys == {k for k in new if not _timing(k)}
-    differ = {k: (old[k], new[k]) for k in sorted(keys) if not _same(old[k], new[k])}
+    differ = {k: (old[k], new[k]) for k in sorted(keys) if not _same(old[k], new[k], k)}
     assert not differ, f"step {old['step']}: {differ}"
   # The resumed step trained on the batch the checkpoint's ring held: batch 2, version 1.
   assert (after[2]["batch_id"], after[2]["submit_version"]) == (2, 1)

@@ -110,7 +110,8 @@ def test_quick_run_json(flag):
   if rollout:
     ro = r["rollout"]
     assert (ro["rows"], ro["prompt_len"], ro["new_tokens"]) == (4, 32, 8)
-    assert ro["tokens_per_s"] == pytest.approx(4 * 8 / ro["median_call_s"], rel=1e-3)
+    # The JSON rounds the rate to 0.1 (38.1 for 38.139 on a slow machine): half that step.
+    assert ro["tokens_per_s"] == pytest.approx(4 * 8 / ro["median_call_s"], rel=1e-3, abs=0.05)
     assert ro["ms_per_decode_step"] > 0 and ro["median_prefill_s"] < ro["median_call_s"]
     roof = ro["roofline"]
     # The recipe samples with the trainer's f32 weights and bf16 compute ("auto").
