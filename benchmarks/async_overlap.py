@@ -78,6 +78,14 @@ def run(lag: int, steps: int, delay: float, skip: int, rollout: str = "",
     cfg.mesh.data = -1  # rows over every process's devices
   if rollout:
     return run_disaggregated(cfg, rollout, delay, skip, run_root)
+  rows, _ = rl_with_slow_reward(cfg, delay)
+  return summarize(lag, [r for r in rows if r["step"] > skip])
+
+
+def rl_with_slow_reward(cfg, delay: float) -> tuple[list[dict], str]:
+  """`loop.rl` on `cfg` (validated here) with the `add` task's reward call made `delay` seconds
+  slower per batch (the benchmarks' only seam: an LLM judge or a code sandbox is this slow): its
+  RL metrics rows and its console text."""
   mesh = config_lib.validate(cfg, jax.device_count(), num_processes=jax.process_count())
   parts, params = build_parts(cfg, mesh)
   env = parts.envs["add"]
@@ -88,15 +96,16 @@ def run(lag: int, steps: int, delay: float, skip: int, rollout: str = "",
     return score(turns)
 
   env.step = slow_step
+  console = io.StringIO()
   with tempfile.TemporaryDirectory() as d:
     out = metrics_lib.MetricsWriter(d)
     try:
       loop.rl(parts, params, Topology.of(parts),
-              loop.RunIO(out, metrics_lib.Progress(stream=io.StringIO())))
+              loop.RunIO(out, metrics_lib.Progress(stream=console)))
     finally:
       out.close()
-    rows = [r for r in out.rows if r.get("phase") == "rl" and r["step"] > skip]
-  return summarize(lag, rows)
+    rows = [r for r in out.rows if r.get("phase") == "rl"]
+  return rows, console.getvalue()
 
 
 def run_disaggregated(cfg, rollout: str, delay: float, skip: int, run_root: str) -> dict | None:

@@ -36,26 +36,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 import numpy as np
 
 from jaxrl import config as config_lib
-from jaxrl.observe import metrics as metrics_lib
 from jaxrl.pipeline import LagPipeline
 from jaxrl.pipeline.tuner import LagTuner
 from jaxrl.recipes.default import get_config
-from jaxrl.run import loop
-from jaxrl.run.parts import build_parts
-from jaxrl.run.topology import Topology
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from async_overlap import rl_with_slow_reward  # noqa: E402  (the same slow-reward run)
 
 
 def log(*a):
@@ -69,26 +66,8 @@ def run(lag, steps: int, delay: float, lag_every: int = 10, max_lag: int = 2):
       f"--config.rollout.max_lag={max_lag}", f"--config.train.steps={steps}",
       "--config.sft.enabled=false", "--config.val.every=1000000", "--config.val.at_start=false",
       "--config.val.at_end=false"])  # no evaluation: a pass would share the CPU with the steps
-  mesh = config_lib.validate(cfg, jax.device_count())
-  parts, params = build_parts(cfg, mesh)
-  env = parts.envs["add"]
-  score = env.step
-
-  def slow_step(turns):  # one environment call per batch (one task, one turn)
-    time.sleep(delay)
-    return score(turns)
-
-  env.step = slow_step
-  console = io.StringIO()
-  with tempfile.TemporaryDirectory() as d:
-    out = metrics_lib.MetricsWriter(d)
-    try:
-      loop.rl(parts, params, Topology.of(parts),
-              loop.RunIO(out, metrics_lib.Progress(stream=console)))
-    finally:
-      out.close()
-    rows = [r for r in out.rows if r.get("phase") == "rl"]
-  return rows, [line.strip() for line in console.getvalue().splitlines()
+  rows, console = rl_with_slow_reward(cfg, delay)
+  return rows, [line.strip() for line in console.splitlines()
                 if line.strip().startswith("lag ") and " from step " in line]
 
 

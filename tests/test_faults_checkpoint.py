@@ -102,20 +102,21 @@ def _rl_rows(run_dir):
           for r in rows if r["phase"] == "rl"]
 
 
-@pytest.mark.slow  # three short runs (~40 s on 2 cores)
-def test_a_checkpoint_whose_restore_fails_is_passed_over(tmp_path, capsys):
-  # The issue's case, smaller: lag 2, checkpoints every 5, stopped at step 12 (checkpoints 5, 10
-  # and the stop's 12). Every array data file of checkpoint 12 is cut to half its size.
+def _newest_damaged_then_resumed(tmp_path, capsys, damage) -> str:
+  """A lag-2 run stopped at step 12 (checkpoints 5, 10 and the stop's 12); `damage` applied to
+  checkpoint 12 of a copy, which then resumes to step 16. It must resume from 10 and continue
+  exactly like a copy with checkpoint 12 removed (every metric but timings; steps 1..10 kept),
+  its own saves replacing the passed-over history, no traceback. Returns the one console line
+  that names checkpoint 12."""
   base = tmp_path / "base"
   assert _run(base, 16, stop_after=12)["rl/stopped_at"] == 12
   assert checkpoint.complete_steps(str(base / "checkpoints")) == [5, 10, 12]
-  # The reference: the same directory with checkpoint 12 removed, resumed (from 10).
-  ref = tmp_path / "ref"
+  ref = tmp_path / "ref"  # the reference: checkpoint 12 removed, resumed (from 10)
   shutil.copytree(base, ref)
   shutil.rmtree(ref / "checkpoints" / "12")
   damaged = tmp_path / "damaged"
   shutil.copytree(base, damaged)
-  _halve_array_data(damaged / "checkpoints" / "12")
+  damage(damaged / "checkpoints" / "12")
 
   assert _run(ref, 16)["resumed_from_step"] == 10
   capsys.readouterr()
@@ -123,15 +124,20 @@ def test_a_checkpoint_whose_restore_fails_is_passed_over(tmp_path, capsys):
   said = capsys.readouterr()
   assert summary["resumed_from_step"] == 10
   lines = [ln for ln in said.out.splitlines() if "checkpoints/12" in ln]
-  assert len(lines) == 1 and lines[0].startswith("jaxrl: checkpoint ") and \
-      "is unreadable: " in lines[0] and \
-      lines[0].endswith("trying the one before it"), said.out
+  assert len(lines) == 1, said.out
   assert "Traceback" not in said.err, said.err
-  # Steps 11..16 equal the reference's, every metric but timings (and 1..10 were kept).
   assert [r["step"] for r in _rl_rows(damaged)] == list(range(1, 17))
   assert _rl_rows(damaged) == _rl_rows(ref)
-  # Its saves replaced the passed-over history: the newest checkpoint is the run's own.
   assert checkpoint.complete_steps(str(damaged / "checkpoints"))[-1] == 16
+  return lines[0]
+
+
+@pytest.mark.slow  # three short runs (~40 s on 2 cores)
+def test_a_checkpoint_whose_restore_fails_is_passed_over(tmp_path, capsys):
+  # The issue's case, smaller: every array data file of the newest checkpoint cut to half its size.
+  line = _newest_damaged_then_resumed(tmp_path, capsys, _halve_array_data)
+  assert line.startswith("jaxrl: checkpoint ") and "is unreadable: " in line and \
+      line.endswith("trying the one before it"), line
 
 
 def _flip_a_byte_of_the_largest_array_file(step_dir) -> str:
@@ -149,35 +155,18 @@ def _flip_a_byte_of_the_largest_array_file(step_dir) -> str:
 
 @pytest.mark.slow  # three short runs (~40 s on 2 cores)
 def test_a_flipped_byte_in_the_newest_checkpoint_is_passed_over(tmp_path, capsys):
-  # The issue's case: a lag-2 run stopped at step 12 (checkpoints 5, 10, 12); one byte in the
-  # middle of an array file of checkpoint 12 is flipped. Every file is still there and decodes,
-  # so only the array digests find it: the run names the step and the array in one line and
-  # continues exactly like a run resumed from checkpoint 10 (before digests it resumed from 12
-  # and trained on the damaged arrays).
-  base = tmp_path / "base"
-  assert _run(base, 16, stop_after=12)["rl/stopped_at"] == 12
-  ref = tmp_path / "ref"
-  shutil.copytree(base, ref)
-  shutil.rmtree(ref / "checkpoints" / "12")
-  damaged = tmp_path / "damaged"
-  shutil.copytree(base, damaged)
-  _flip_a_byte_of_the_largest_array_file(damaged / "checkpoints" / "12")
-  assert checkpoint.step_problem(str(damaged / "checkpoints"), 12) is None
+  # The issue's case: one byte in the middle of an array file of the newest checkpoint flipped.
+  # Every file is still there and decodes, so only the array digests find it: the run names the
+  # step and the array in one line and continues exactly like a run resumed from the checkpoint
+  # before (before digests it resumed from the damaged one and trained on its arrays).
+  def flip(step_dir):
+    _flip_a_byte_of_the_largest_array_file(step_dir)
+    assert checkpoint.step_problem(str(step_dir.parent), 12) is None  # no other check sees it
 
-  assert _run(ref, 16)["resumed_from_step"] == 10
-  capsys.readouterr()
-  summary = _run(damaged, 16)
-  said = capsys.readouterr()
-  assert summary["resumed_from_step"] == 10
-  lines = [ln for ln in said.out.splitlines() if "checkpoints/12" in ln]
-  assert len(lines) == 1, said.out
+  line = _newest_damaged_then_resumed(tmp_path, capsys, flip)
   assert re.fullmatch(r"jaxrl: checkpoint \S+/checkpoints/12 is unreadable: array train/\S+ does "
                       r"not match its digest \(crc32 \w{8}, saved \w{8}\): its bytes were "
-                      r"damaged after the save; trying the one before it", lines[0]), lines[0]
-  assert "Traceback" not in said.err, said.err
-  assert [r["step"] for r in _rl_rows(damaged)] == list(range(1, 17))
-  assert _rl_rows(damaged) == _rl_rows(ref)
-  assert checkpoint.complete_steps(str(damaged / "checkpoints"))[-1] == 16
+                      r"damaged after the save; trying the one before it", line), line
 
 
 @pytest.mark.slow  # one short run and one resume (~25 s on 2 cores)

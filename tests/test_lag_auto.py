@@ -318,17 +318,13 @@ def test_auto_lag_run_stops_and_resumes_with_the_lag_in_force(tmp_path):
   batch b = 4, 6, 8, ..., step b + 1), stopped by SIGTERM after step 5 and resumed: every step's
   staleness is the lag recorded for it, and the first resumed step keeps the lag in force at the
   stop unless it is a step a change takes effect at."""
-  from test_resume import STEPS, _args, _finish, _last_rl_step, _popen, _rows
+  from test_resume import STEPS, _args, _finish, _popen, _rows, _wait_for_rl_step
 
   run_dir = tmp_path / "run"
   args = _args(run_dir, "auto", "--config.checkpoint.every=100", "--config.rollout.max_lag=1",
                "--config.rollout.lag_every=2")
   proc = _popen(args, tmp_path)
-  deadline = time.monotonic() + 600
-  while _last_rl_step(run_dir) < 5:
-    assert proc.poll() is None, proc.communicate()[0]
-    assert time.monotonic() < deadline
-    time.sleep(0.02)
+  _wait_for_rl_step(proc, run_dir, 5)
   proc.send_signal(signal.SIGTERM)
   first = _finish(proc)
   assert "lag auto (0..1, starting at 1, decided every 2 steps)" in first

@@ -65,6 +65,15 @@ def _last_rl_step(run_dir) -> int:
   return max([r["step"] for r in rows if r["phase"] == "rl"], default=0)
 
 
+def _wait_for_rl_step(proc, run_dir, step: int, timeout_s: float = 600.0) -> None:
+  """Until the running `proc` has written RL step `step` (failing if it exits or times out)."""
+  deadline = time.monotonic() + timeout_s
+  while _last_rl_step(run_dir) < step:
+    assert proc.poll() is None, proc.communicate()[0]
+    assert time.monotonic() < deadline
+    time.sleep(0.02)
+
+
 def _checkpoints(run_dir) -> list[int]:
   d = os.path.join(run_dir, "checkpoints")
   return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
@@ -129,11 +138,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
   run_dir = tmp_path / "run"
   args = _args(run_dir, 1, "--config.checkpoint.every=100")
   proc = _popen(args, tmp_path)
-  deadline = time.monotonic() + 600
-  while _last_rl_step(run_dir) < 5:
-    assert proc.poll() is None, proc.communicate()[0]
-    assert time.monotonic() < deadline
-    time.sleep(0.02)
+  _wait_for_rl_step(proc, run_dir, 5)
   proc.send_signal(signal.SIGTERM)
   out = _finish(proc)
   assert "stopped by signal" in out

@@ -46,7 +46,6 @@ class RolloutWorker:
     self.gate = gate
     self.handoff = handoff
     self.produce = produce
-    self.lag = lag
     self.name = name
     self._thread: threading.Thread | None = None
 
@@ -115,7 +114,7 @@ class InlineWorker:
   def __init__(self, gate: LagGate, handoff: ParamsHandoff, produce, lag: int):
     if lag != gate.lag:
       raise ValueError(f"worker lag {lag} != gate lag {gate.lag}")
-    self.gate, self.handoff, self.produce, self.lag = gate, handoff, produce, lag
+    self.gate, self.handoff, self.produce = gate, handoff, produce
 
   def should_stop(self) -> bool:
     return self.gate.closed
