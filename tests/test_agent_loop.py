@@ -100,6 +100,7 @@ def _tasks(*answers):
           for i, a in enumerate(answers)]
 
 
+@pytest.mark.slow
 def test_an_episode_is_one_trajectory_of_the_served_tokens(agent_server):
   _, tok, params, _ = agent_server
   loop = _loop(agent_server, twice)
@@ -127,6 +128,7 @@ def test_an_episode_is_one_trajectory_of_the_served_tokens(agent_server):
   assert ep.components == {"answered": pytest.approx([1.0] * 4), "bonus": pytest.approx([0.5] * 4)}
 
 
+@pytest.mark.slow
 def test_a_tool_call_turn_whose_history_re_renders_differently_is_its_own_segment(agent_server):
   _, tok, params, holder = agent_server
   SEEN.clear()

@@ -104,6 +104,7 @@ def _recompute(graphdef, params, prompt, tokens):
   return np.asarray(logp)[0, :len(tokens)]
 
 
+@pytest.mark.slow
 def test_a_weight_update_mid_reply_pauses_and_resumes_the_requests_in_flight(two_policies):
   server, tok, graphdef, params0, params1, holder = two_policies
   engine = server.engine

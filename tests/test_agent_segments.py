@@ -94,6 +94,7 @@ def _batch(prompts, pvalid, tokens, valid, mask, seg=None, rollout=None):
                     completion_segment=seg)
 
 
+@pytest.mark.slow
 def test_every_pass_scores_each_sequence_as_a_row_of_its_own(model):
   graphdef, params = model
 

@@ -111,6 +111,7 @@ def _recorded(agent, seen):
   return recorded
 
 
+@pytest.mark.slow
 def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
   server, tok, params, source, holder = char_server
   seen = {}

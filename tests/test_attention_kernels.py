@@ -373,6 +373,7 @@ def test_pallas_tpu_compiled_blocks_are_multiples_of_128():
     f(8)(*qkv, *mask)
 
 
+@pytest.mark.slow
 def test_pallas_tpu_under_shard_map_over_rows(devices):
   qkv, mask, w = make_inputs("group")
   mesh = Mesh(np.array(devices[:2]), ("data",))

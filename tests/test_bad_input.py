@@ -199,6 +199,7 @@ def test_non_finite_reward_row_leaves_its_group_signal_intact():
   np.testing.assert_allclose(adv, [0.0, 1.41391, -0.706955, -0.706955], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_rl_batch_spec_is_what_the_step_gets_and_compiling_ahead_is_reused(tmp_path):
   # The trainer compiles the RL step ahead from `rl_batch_spec` (shapes, dtypes, missing fields)
   # while the warm-up runs; a spec that differed from the real batches would compile twice.

@@ -108,6 +108,7 @@ def test_train_state_round_trip_is_exact(tmp_path, state1):
   np.testing.assert_array_equal(again.permutation(50), rng.permutation(50))
 
 
+@pytest.mark.slow
 def test_restore_from_one_device_onto_an_8_device_mesh_then_train(tmp_path, devices, model,
                                                                   state1):
   ck_dir = str(tmp_path / "ck")

@@ -68,6 +68,7 @@ def _tiny(sft_steps, steps, eval_every, *extra):
           "--config.rollout.num_prompts=4", *extra]
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_metrics_plot_and_summary(tmp_path):
   run_dir = tmp_path / "out"
   args = _tiny(20, 4, 2, "--config.rollout_kl.coef=0.05", f"--config.run_dir={run_dir}",

@@ -83,6 +83,7 @@ def test_static_sampler_xla_decode_equals_dense(sampling):
   _same(_static("xla", SAMPLINGS[sampling]), _static("dense", SAMPLINGS[sampling]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", [False, True], ids=["one_version", "partial"])
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
 def test_engine_xla_decode_equals_dense(sampling, switch):

@@ -85,6 +85,7 @@ def _run(setup, key=1, ids=None, prompts=PROMPTS, **kw):
   return engine.run(params, prompts, ids, jax.random.key(key), group_size=G, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
 def test_engine_matches_static_sampler(setup, sampler, sampling):
   _, _, params, _ = setup

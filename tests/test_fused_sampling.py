@@ -102,6 +102,7 @@ def _decode_hlo(fused):
   return gen.decode.lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 def test_fused_decode_step_keeps_one_rows_by_vocab_array():
   shape = f"f32[{ROWS},{V}]"
   fused, separate = step_buffers(_decode_hlo(True), shape), step_buffers(_decode_hlo(False), shape)

@@ -157,6 +157,7 @@ def test_scalar_temperature_and_greedy(impl):
   assert rel_err(out[2], out[0]) > 1e-2
 
 
+@pytest.mark.slow
 def test_pallas_multiple_token_blocks():
   # block_n = 16 over N = 37: three token blocks, the last padded with 11 zero rows, times
   # eight vocabulary blocks; called below the API to pick the token block.
@@ -284,6 +285,7 @@ def test_pallas_gpu_layout_lowers_to_triton():
       assert f'name = "{name}"' in text, name
 
 
+@pytest.mark.slow
 def test_pallas_gpu_layout_wide_hidden():
   # D = 2048 in f32: 64 K steps of 32. The kernel's tiles do not grow with D, so it runs the
   # kernel itself (no fallback, no warning) and matches the reference.

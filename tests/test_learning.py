@@ -3,8 +3,11 @@
 Every run is README command 1 (`python -m jaxrl.train`, one host device) in a subprocess, for a
 seed on one of two XLA CPU code paths: the machine's native one, and `--xla_cpu_max_isa=AVX2`,
 which stands in for another machine (XLA's CPU code, and with it every learning curve, differs by
-instruction set). `benchmarks/learning.py` runs the same for seeds 0-7; CI runs this file in its
-own step: `pytest -m slow`.
+instruction set). CI runs this file in its own step (`pytest -m slow`): seeds 0 and 1 natively,
+seed 0 under AVX2, and a lag-2 run. The acceptance sweep (seeds 0-3 natively, 0-1 under AVX2,
+lag 2 on both) is `benchmarks/learning.py` (by default seeds 0-7 on both paths), whose numbers
+are in benchmarks/README.md: each run is ~150 s of a 2-core machine, and CI's 75 minutes do not
+hold nine of them beside the rest of the slow step.
 """
 
 import json
@@ -68,8 +71,7 @@ def _assert_learned(summary):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,isa", [(0, "native"), (1, "native"), (2, "native"),
-                                      (3, "native"), (0, "avx2"), (1, "avx2")])
+@pytest.mark.parametrize("seed,isa", [(0, "native"), (1, "native"), (0, "avx2")])
 def test_default_run_learns(seed, isa, tmp_path):
   _skip_same_code(isa)
   summary, rows = _run(tmp_path, isa, f"--config.seed={seed}")
@@ -97,13 +99,11 @@ def test_default_run_with_rollout_kl_logs_it_every_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", sorted(ISAS))
-def test_default_run_with_lag_two_learns_with_exact_staleness(isa, tmp_path):
+def test_default_run_with_lag_two_learns_with_exact_staleness(tmp_path):
   # `--config.rollout.lag=2` on the default recipe: every RL step reports first-token staleness
   # exactly min(batch_id, 2) (step s trains on batch s - 1), the pipeline metrics are present,
   # and held-out accuracy clears the same bars as the synchronous run.
-  _skip_same_code(isa)
-  summary, steps = _run(tmp_path, isa, "--config.rollout.lag=2")
+  summary, steps = _run(tmp_path, "native", "--config.rollout.lag=2")
   assert len(steps) == summary["rl/steps"] and summary["rl/steps"] > 0
   for r in steps:
     assert r["staleness/first_token/max"] == min(r["batch_id"], 2), r["step"]

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one benchmark run (~15 s) that every test here reads
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 

@@ -64,6 +64,7 @@ def _compiled_temp(cfg) -> int:
   return int(analysis.temp_size_in_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     # remat full: 4 kept layer inputs [4,096, 256] + one layer recomputed (its [4,096, 1,024]
     # MLP products and 8 x 4 heads x 512 x 512 dense f32 scores) + the gradients.
@@ -88,6 +89,7 @@ def test_train_temporaries_agree_with_compiled_memory_analysis(extra):
   assert abs(planned - compiled) <= 0.2 * compiled, (planned / 2**20, compiled / 2**20)
 
 
+@pytest.mark.slow
 def test_default_run_plan_agrees_with_compiled_memory_analysis():
   # The default run: 2 unrolled layers (planned as remat "none"), 4 micro-batches of 32 groups
   # of 6 + 8 x 4 positions. Measured: 20.2 vs 18.6 MiB (+8.5%).

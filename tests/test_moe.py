@@ -166,6 +166,7 @@ def _train_flops(k: int) -> float:
   return float(compiled.cost_analysis()["flops"])
 
 
+@pytest.mark.slow
 def test_compiled_flops_scale_with_top_k():
   """Acceptance: top-2 of 8 costs at most 0.4x top-8 (the experts' share is 2/8 = 0.25; the
   attention, router, embedding and tile padding are the rest)."""
@@ -223,9 +224,10 @@ def test_qwen3_30b_a3b_preset_counts():
   assert active == 3_353_032_704
 
 
-# Scanned layers in the slow step (fast-suite time budget); scanned and unrolled MoE models agree
-# in test_scanned_and_unrolled_moe_models_agree.
-@pytest.mark.parametrize("scan", [pytest.param(True, marks=pytest.mark.slow), False])
+# In the slow step (fast-suite time budget); scanned and unrolled MoE models agree in
+# test_scanned_and_unrolled_moe_models_agree.
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False])
 def test_routing_replay(scan, moe_model):
   """Replaying the model's own routing changes nothing (mismatch 0); replaying other experts
   changes the output, counts exactly the tokens whose expert set differs, and the router still
@@ -257,6 +259,7 @@ def test_routing_replay(scan, moe_model):
   assert float(jnp.abs(grad["router"][...]).max()) > 0
 
 
+@pytest.mark.slow
 def test_capacity_factor_drops_the_later_tokens():
   """All 6 tokens routed to experts {0, 1} (a router that prefers them), k = 2 of 8: each of
   experts 0 and 1 gets 6 assignments. Capacity ceil(1.0 x 6 x 2 / 8) = 2: tokens 0 and 1 keep

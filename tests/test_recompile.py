@@ -1,6 +1,7 @@
 """After warm-up nothing recompiles: prompt and completion lengths vary, shapes do not."""
 
 import jax
+import pytest
 import numpy as np
 from jax._src import dispatch, monitoring
 
@@ -23,6 +24,7 @@ def _small_config():
   return c
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_second_step():
   cfg = _small_config()
   parts, params = build_parts(cfg, config_lib.validate(cfg, jax.device_count()))

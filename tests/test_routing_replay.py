@@ -88,6 +88,7 @@ def _fed(mask):
   return int(np.maximum(mask.sum(1) - 1, 0).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [False, True], ids=["static", "engine"])
 def test_recorded_routing_is_the_models_own(model, engine):
   """Same params in the sampler and the trainer: every fed token's recorded experts are the
@@ -111,6 +112,7 @@ def test_engine_records_what_the_static_sampler_records(model):
   np.testing.assert_array_equal(a[3], b[3])
 
 
+@pytest.mark.slow
 def test_partial_rollout_refresh_rerecords_the_fed_tokens(model):
   """A switch of params version mid-batch (partial rollouts, `refresh_kv`) recomputes the fed
   tokens' experts under the new params: switching to params whose routers are permuted records

@@ -230,8 +230,10 @@ def test_a_live_holder_is_refused_until_it_is_killed(tmp_path):
 
 
 def _pid_namespace() -> list[str]:
-  """The command prefix that runs a process as pid 1 of a new pid namespace (unshare), or skip."""
-  prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+  """The command prefix that runs a process as pid 1 of a new pid namespace (unshare), or skip.
+  `--kill-child`: killing unshare kills the namespace's pid 1 too (without it the lock holder
+  outlived the test by its 600 s sleep)."""
+  prefix = ["unshare", "--user", "--map-root-user", "--pid", "--kill-child", "--mount-proc"]
   try:
     ok = subprocess.run([*prefix, "sh", "-c", "test $$ = 1"], capture_output=True, timeout=30)
   except (OSError, subprocess.TimeoutExpired):

@@ -265,6 +265,7 @@ def test_user_errors_keep_their_builtin_classes_and_print_one_line():
   assert train.user_message(KeyError("bug")) is None  # a bug keeps its traceback
 
 
+@pytest.mark.slow
 def test_run_time_user_error_on_the_rollout_thread_is_one_line(tmp_path):
   """Dynamic sampling that cannot fill a batch fails on the rollout thread before the first
   update, while the train step still compiles on its own thread: one `jaxrl:` line naming the
