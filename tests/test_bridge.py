@@ -116,8 +116,23 @@ class _Store:
 
   blocking_key_value_get_bytes = blocking_key_value_get
 
-  def key_value_delete(self, key):
-    del self.kv[key]
+  def key_value_delete(self, key):  # as the service does: the key and its whole directory
+    for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
+      del self.kv[k]
+
+
+class _DiesAfter(_Store):
+  """A store whose writer dies (raises) at its `n`-th chunk: a rollout process killed while it
+  sent a part."""
+
+  def __init__(self, store, n):
+    self.kv, self.left = store.kv, n
+
+  def key_value_set_bytes(self, key, value, allow_overwrite=False):
+    self.left -= 1
+    if self.left < 0:
+      raise ConnectionError("killed")
+    super().key_value_set(key, value, allow_overwrite)
 
 
 def test_channel_chunks_bytes_and_keeps_runs_apart():
@@ -139,3 +154,20 @@ def test_channel_chunks_bytes_and_keeps_runs_apart():
   assert list(store.kv) == ["jaxrl/disaggregated/run1/done"]  # the rows' keys are gone
   arrays, head = unpack(pack({"tokens": np.arange(6).reshape(2, 3)}, {"batch": 3}))
   assert head == {"batch": 3} and arrays["tokens"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_write_that_died_part_way_does_not_block_the_next():
+  """A writer killed after 3 of its 8 chunks leaves no count; another process then writes the
+  same key (the part made again, here of another length): the write succeeds, the reader gets
+  the new bytes whole, and taking them leaves no key of either write behind."""
+  store = _Store()
+  dead = Channel(_DiesAfter(store, 3), prefix="run/")
+  live = Channel(store, prefix="run/")
+  dead.CHUNK = live.CHUNK = 7
+  with pytest.raises(ConnectionError):
+    dead.put_bytes("rows/2/1/0", bytes(range(50)))
+  assert len(store.kv) == 3 and not live.has("rows/2/1/0/n")
+  again = bytes(range(100, 140))
+  live.put_bytes("rows/2/1/0", again)
+  assert live.take_bytes("rows/2/1/0") == again
+  assert store.kv == {}

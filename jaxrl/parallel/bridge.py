@@ -36,6 +36,7 @@ import functools
 import io
 import json
 import socket
+import uuid
 from collections.abc import Callable
 
 import jax
@@ -95,21 +96,25 @@ class Channel:
           raise
 
   def put_bytes(self, key: str, data: bytes) -> None:
-    """`data` under `key` (chunks first, then the count that makes it visible)."""
+    """`data` under `key`: chunks first, under a tag of this write's own, then `key/n` (the tag
+    and the count) that makes them visible. Two writes of one key never meet: one that died part
+    way (a rollout process killed while it sent a part, which another then makes again) leaves
+    only chunks nobody points to, and the last complete write is the one read."""
     n = max(1, -(-len(data) // self.CHUNK))
+    tag = uuid.uuid4().hex[:16]
     for i in range(n):
-      self.client.key_value_set_bytes(f"{self.prefix}{key}/{i}", data[i * self.CHUNK:(i + 1) *
-                                                                 self.CHUNK])
-    self.set(f"{key}/n", str(n))
+      self.client.key_value_set_bytes(f"{self.prefix}{key}/{tag}/{i}",
+                                      data[i * self.CHUNK:(i + 1) * self.CHUNK])
+    self.set(f"{key}/n", f"{tag} {n}")
 
   def take_bytes(self, key: str, should_stop: Callable[[], bool] = lambda: False) -> bytes:
-    """The bytes `put_bytes` stored under `key`, waiting for them; the keys are deleted."""
-    n = int(self.wait(f"{key}/n", should_stop))
-    parts = [self.client.blocking_key_value_get_bytes(f"{self.prefix}{key}/{i}", self.poll_ms)
-             for i in range(n)]
-    for i in range(n):
-      self.client.key_value_delete(f"{self.prefix}{key}/{i}")
-    self.client.key_value_delete(f"{self.prefix}{key}/n")
+    """The bytes `put_bytes` stored under `key`, waiting for them; then every key under `key`
+    is deleted (the coordination service deletes a key's whole directory), those of a write that
+    died part way too."""
+    tag, n = self.wait(f"{key}/n", should_stop).split()
+    parts = [self.client.blocking_key_value_get_bytes(f"{self.prefix}{key}/{tag}/{i}",
+                                                      self.poll_ms) for i in range(int(n))]
+    self.client.key_value_delete(f"{self.prefix}{key}")
     return b"".join(parts)
 
 
