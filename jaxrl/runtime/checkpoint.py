@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 
 import jax
@@ -161,6 +162,7 @@ class Checkpointer:
     self.directory = _abs(directory)
     self.keep = keep
     self.read_only = read_only
+    self._async = async_save
     self.save_bytes = 0  # the arrays and host JSON of the last save: what a save needs on disk
     self.say = say
     # Digests: one thread per save waits on the hashers (zlib releases the GIL: arrays hash in
@@ -229,13 +231,22 @@ class Checkpointer:
     self.save_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + \
         len(json.dumps(host))
     hashed = digest.verifiable(state)
-    if self._host_copies or hashed:
-      # The host copy Orbax would make itself, made here so that the digests hash the very
-      # bytes written; Orbax then writes these numpy arrays (the same values and files).
-      state = jax.device_get(state)
+    # The host copy the digests hash, taken before `save` returns (the caller may donate the
+    # arrays to its next step); on a CPU it shares the arrays' memory. Orbax is still given the
+    # jax.Arrays: its numpy path is slower (at the 0.5B shape on 2 cores, 3.2 s against 0.17 s
+    # until `save` returns, 23.5 s against 14.0 s until durable), except where only process 0
+    # writes (`_host_copies`), which needs the numpy arrays.
+    copy = jax.device_get(state) if self._host_copies or hashed else None
+    if self._host_copies:
+      state = copy
     items = {"state": ocp.args.StandardSave(state), "host": ocp.args.JsonSave(host)}
+    # An async save's hashing starts once `save` returns: begun at once, it competed with
+    # Orbax's own copy on the caller's thread (+19% until `save` returned, 0.5B shape, 2 cores).
+    gate = threading.Event()
+    if not self._async:
+      gate.set()  # a synchronous save writes the digests inside `save`
     if hashed:
-      items[digest.ITEM] = digest.DigestSave(self._digests.submit(digest.compute, state,
+      items[digest.ITEM] = digest.DigestSave(self._digests.submit(_hash_after, gate, copy,
                                                                   self._hashers))
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
     try:
@@ -245,6 +256,8 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001  a full disk, a read-only or vanished directory; also
       # the previous save's failure, which Orbax raises here (a ValueError for TensorStore's)
       raise self._save_failed(e) from e
+    finally:
+      gate.set()
 
   def wait(self) -> None:
     """Blocks until pending async saves are durable (renamed to their step); a failed one raises
@@ -437,6 +450,11 @@ def choose_step(directory: str, step: int | None = None, *, exclude=(), say=prin
   raise CheckpointError(f"no usable checkpoint in {directory} (steps {steps}); start over with "
                         "--config.resume=none --config.overwrite=true, or resume from another "
                         "directory")
+
+
+def _hash_after(gate: threading.Event, tree, pool) -> dict:
+  gate.wait()
+  return digest.compute(tree, pool)
 
 
 def abstract_like(state):

@@ -9,7 +9,7 @@ restore recomputes them from the restored values and compares.
 - Canonical: the CRC of an array is taken over its global value's bytes in C order (typed PRNG
   keys: their key data), so a checkpoint written on 1 device verifies restored on 8, and the
   path naming an array (`train/params/layers_3/attn/q_proj/kernel`) is its key path in the tree.
-- Off the training thread: the save hands the host copies it already makes (see
+- Off the training thread: the save hands host copies of the arrays (see
   `Checkpointer.save`) to a thread pool; the `digest` item's commit waits for the digests, so
   Orbax renames the step to its final name only once the digests are written. A process killed
   before that leaves a tmp directory, never a finished step without digests.
