@@ -231,23 +231,19 @@ class Checkpointer:
     self.save_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + \
         len(json.dumps(host))
     hashed = digest.verifiable(state)
-    # The host copy the digests hash, taken before `save` returns (the caller may donate the
-    # arrays to its next step); on a CPU it shares the arrays' memory. Orbax is still given the
-    # jax.Arrays: its numpy path is slower (at the 0.5B shape on 2 cores, 3.2 s against 0.17 s
-    # until `save` returns, 23.5 s against 14.0 s until durable), except where only process 0
-    # writes (`_host_copies`), which needs the numpy arrays.
+    # The digests hash a host copy taken now (the caller may donate the arrays next; on a CPU it
+    # shares their memory). Orbax gets the jax.Arrays, its numpy path being slower
+    # (benchmarks/README.md, "Checkpoint array digests"), unless only process 0 writes.
     copy = jax.device_get(state) if self._host_copies or hashed else None
-    if self._host_copies:
-      state = copy
+    state = copy if self._host_copies else state
     items = {"state": ocp.args.StandardSave(state), "host": ocp.args.JsonSave(host)}
-    # An async save's hashing starts once `save` returns: begun at once, it competed with
-    # Orbax's own copy on the caller's thread (+19% until `save` returned, 0.5B shape, 2 cores).
+    # An async save hashes once `save` returned: sooner, it competed with Orbax's own copy.
     gate = threading.Event()
     if not self._async:
       gate.set()  # a synchronous save writes the digests inside `save`
     if hashed:
-      items[digest.ITEM] = digest.DigestSave(self._digests.submit(_hash_after, gate, copy,
-                                                                  self._hashers))
+      items[digest.ITEM] = digest.DigestSave(self._digests.submit(digest.compute, copy,
+                                                                  self._hashers, gate))
     # force: Orbax's own save-interval rule must not skip what the caller decided to save.
     try:
       return bool(self._mngr.save(
@@ -450,11 +446,6 @@ def choose_step(directory: str, step: int | None = None, *, exclude=(), say=prin
   raise CheckpointError(f"no usable checkpoint in {directory} (steps {steps}); start over with "
                         "--config.resume=none --config.overwrite=true, or resume from another "
                         "directory")
-
-
-def _hash_after(gate: threading.Event, tree, pool) -> dict:
-  gate.wait()
-  return digest.compute(tree, pool)
 
 
 def abstract_like(state):

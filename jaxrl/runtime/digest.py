@@ -73,9 +73,12 @@ def _leaves(tree) -> list[tuple[str, object]]:
           if hasattr(x, "shape")]
 
 
-def compute(tree, pool: concurrent.futures.Executor) -> dict:
+def compute(tree, pool: concurrent.futures.Executor, after=None) -> dict:
   """`{"algorithm": "crc32", "arrays": {path: crc}}` of every array of `tree`, hashed by
-  `pool`'s threads (zlib releases the GIL, so arrays are hashed in parallel)."""
+  `pool`'s threads (zlib releases the GIL, so arrays are hashed in parallel), once `after` (a
+  threading.Event; None: at once) is set."""
+  if after is not None:
+    after.wait()
   leaves = _leaves(tree)
   crcs = list(pool.map(lambda kv: crc(kv[1]), leaves))
   return {"algorithm": ALGORITHM, "arrays": {k: c for (k, _), c in zip(leaves, crcs)}}
