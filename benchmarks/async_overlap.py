@@ -26,6 +26,7 @@ pairs of the lag-1 / lag-0 ratio.
 
   PYTHONPATH=. python benchmarks/async_overlap.py [--steps 40] [--repeats 3] [--reward-delay-s X]
   PYTHONPATH=. python benchmarks/async_overlap.py --quick
+  PYTHONPATH=. python benchmarks/async_overlap.py --sampler-first off   # the two split the cores
   PYTHONPATH=. python benchmarks/async_overlap.py --processes 2 [--devices 1]
   PYTHONPATH=. python benchmarks/async_overlap.py --processes 2 --rollout-processes 0
 """
@@ -66,11 +67,12 @@ def log(*a):
 
 
 def run(lag: int, steps: int, delay: float, skip: int, rollout: str = "",
-        run_root: str = "") -> dict:
+        run_root: str = "", sampler_first: str = "auto") -> dict:
   cfg = get_config()
   cfg.sft.enabled = False
   cfg.train.steps = steps
   cfg.rollout.lag = lag
+  cfg.rollout.sampler_first = sampler_first
   # No validation: an asynchronous pass would share the CPU with the timed steps.
   cfg.val.every = 10**6
   cfg.val.at_start = cfg.val.at_end = False
@@ -157,6 +159,9 @@ def main():
   ap.add_argument("--skip", type=int, default=5, help="first steps excluded (compilation)")
   ap.add_argument("--reward-delay-s", type=float, default=0.0,
                   help="seconds per batch in the reward function; 0 = the measured train step")
+  ap.add_argument("--sampler-first", default="auto", choices=("auto", "on", "off"),
+                  help="rollout.sampler_first (auto: the train step lets the worker's sampler "
+                       "call go first, colocated on a CPU)")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--processes", type=int, default=1,
                   help="processes joined on 127.0.0.1 (gloo), each with --devices CPU devices")
@@ -181,7 +186,8 @@ def main():
   if rollout:  # the first train process reports
     procs = {int(q) for q in rollout.split(",")}
     REPORTER[0] = min(q for q in range(jax.process_count()) if q not in procs)
-  go = lambda lag, steps, delay: run(lag, steps, delay, args.skip, rollout, args.run_root)
+  go = lambda lag, steps, delay: run(lag, steps, delay, args.skip, rollout, args.run_root,
+                                    args.sampler_first)
   t0 = time.perf_counter()
   delay = args.reward_delay_s
   if delay <= 0:
@@ -217,7 +223,7 @@ def main():
                   "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
       "versions": {"jax": jax.__version__, "python": platform.python_version()},
       "steps": args.steps, "skip": args.skip, "repeats": args.repeats,
-      "reward_delay_s": delay,
+      "reward_delay_s": delay, "sampler_first": args.sampler_first,
       "lag0_steps_per_s": statistics.median(r["steps_per_s"] for r in runs[0]),
       "lag1_steps_per_s": statistics.median(r["steps_per_s"] for r in runs[1]),
       "speedup_lag1_over_lag0": statistics.median(ratios),

@@ -20,14 +20,18 @@ per step is measured from step completions (`perf/elapsed_s`), the first `--skip
 and those before the last lag change left out.
 
 Colocated on a CPU, the sampler's own work and the train step share the cores (only the reward's
-sleep overlaps freely), so on a loaded machine the overlap falls short of the possible by the
-contention, not by the lag. `--pipeline` measures the lag alone: `LagPipeline` with a tuner,
+sleep overlaps freely). With `rollout.sampler_first` (default "auto": on, here) the train step
+waits for the worker's sampler call of the next batch, then runs during its reward's wait;
+`--sampler-first auto,off --repeats 2` runs the lag=auto run both ways side by side (ABBA), the
+two sharing the probe and the lag-0 run. Without it ("off"), the two programs split the cores
+and every batch, the critical path, is later by the train step's share. `--pipeline` measures the lag alone: `LagPipeline` with a tuner,
 a producer that sleeps G per batch (uniform +-20% jitter) and a trainer that sleeps T per step
 (G = 3 T), lag 0 then `auto`, the same overlap figure.
 
 Prints ONE JSON object (progress on stderr).
 
   PYTHONPATH=. python benchmarks/lag_auto.py [--steps 40] [--lag-every 5] [--max-lag 3]
+  PYTHONPATH=. python benchmarks/lag_auto.py --sampler-first auto,off --repeats 2
   PYTHONPATH=. python benchmarks/lag_auto.py --quick
   PYTHONPATH=. python benchmarks/lag_auto.py --pipeline [--train-s 0.05] [--steps 60] [--start 0]
 """
@@ -59,10 +63,12 @@ def log(*a):
   print(*a, file=sys.stderr, flush=True)
 
 
-def run(lag, steps: int, delay: float, lag_every: int = 10, max_lag: int = 2):
+def run(lag, steps: int, delay: float, lag_every: int = 10, max_lag: int = 2,
+        sampler_first: str = "auto"):
   """The RL rows of one run and its console lines."""
   cfg = config_lib.parse_overrides(get_config(), [
       f"--config.rollout.lag={lag}", f"--config.rollout.lag_every={lag_every}",
+      f"--config.rollout.sampler_first={sampler_first}",
       f"--config.rollout.max_lag={max_lag}", f"--config.train.steps={steps}",
       "--config.sft.enabled=false", "--config.val.every=1000000", "--config.val.at_start=false",
       "--config.val.at_end=false"])  # no evaluation: a pass would share the CPU with the steps
@@ -116,6 +122,39 @@ def pipeline_main(args) -> dict:
           "overlap_of_possible": round((d0 - d) / possible, 3)}
 
 
+def auto_result(rows: list[dict], said: list[str], skip: int, d0: float, possible: float) -> dict:
+  """One lag=auto run: the lag per step and, over the steps after its last change, the time a
+  step, the overlap reached and the worker's busy share."""
+  lags = [r["pipeline/lag"] for r in rows]
+  last_change = max([i for i in range(1, len(lags)) if lags[i] != lags[i - 1]], default=0)
+  settled = [r for r in rows[last_change:] if r["step"] > skip]
+  d = per_step(settled)
+  gen_auto = statistics.median(r["perf/sample_time_s"] for r in settled)
+  return {
+      "lag_per_step": lags, "lag_decisions_said": said, "chosen_lag": lags[-1],
+      "auto_step_s": round(d, 4), "settled_steps": len(settled),
+      "overlap_of_possible": round((d0 - d) / possible, 3) if possible > 0 else None,
+      # The worker's busy share at auto: its generation time a batch over the step's wall time
+      # (1.0: generation never waits, the trainer's work all hides behind it).
+      "auto_generation_s": round(gen_auto, 4), "worker_busy": round(gen_auto / d, 3),
+      # The trainer's wait for the worker's sampler calls (rollout.sampler_first), a step.
+      "turn_wait_s": round(rows[-1].get("pipeline/turn_wait_s", 0.0) / len(rows), 4),
+      "staleness_exact_every_step": all(
+          r["staleness/first_token/max"] == r["staleness/first_token/min"]
+          == min(r["step"] - 1, r["pipeline/lag"]) for r in rows)}
+
+
+def summarise_mode(runs: list[dict]) -> dict:
+  """The runs of one `--sampler-first` value: the median step time and overlap, every run's
+  overlap, and the last run's per-step lags and lines."""
+  return {**runs[-1],
+          "auto_step_s": round(statistics.median(r["auto_step_s"] for r in runs), 4),
+          "overlap_of_possible": round(statistics.median(r["overlap_of_possible"] or 0.0
+                                                         for r in runs), 3),
+          "overlap_each_run": [r["overlap_of_possible"] for r in runs],
+          "staleness_exact_every_step": all(r["staleness_exact_every_step"] for r in runs)}
+
+
 def per_step(rows: list[dict]) -> float:
   return (rows[-1]["perf/elapsed_s"] - rows[0]["perf/elapsed_s"]) / (len(rows) - 1)
 
@@ -127,6 +166,11 @@ def main():
   ap.add_argument("--max-lag", type=int, default=3)
   ap.add_argument("--skip", type=int, default=5, help="first steps excluded (compilation)")
   ap.add_argument("--ratio", type=float, default=3.0, help="generation time / train step time")
+  ap.add_argument("--sampler-first", default="auto",
+                  help="rollout.sampler_first of the lag=auto run; a comma list (auto,off) "
+                       "runs each, side by side; the first is the one reported at the top")
+  ap.add_argument("--repeats", type=int, default=1,
+                  help="lag=auto runs per --sampler-first value (ABBA order)")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--pipeline", action="store_true", help="the lag pipeline alone, sleeps only")
   ap.add_argument("--train-s", type=float, default=0.05, help="--pipeline: train step seconds")
@@ -157,16 +201,20 @@ def main():
   d0 = per_step(serial)
   gen = statistics.median(r["perf/sample_time_s"] for r in serial)
   log(f"lag 0: {d0 * 1e3:.0f} ms a step, generation {gen * 1e3:.0f} ms a batch")
-  rows, said = run("auto", args.steps, delay, args.lag_every, args.max_lag)
-  lags = [r["pipeline/lag"] for r in rows]
-  last_change = max([i for i in range(1, len(lags)) if lags[i] != lags[i - 1]], default=0)
-  settled = [r for r in rows[last_change:] if r["step"] > args.skip]
-  d = per_step(settled)
-  gen_auto = statistics.median(r["perf/sample_time_s"] for r in settled)
   possible = min(gen, d0 - gen)
-  staleness_exact = all(
-      r["staleness/first_token/max"] == r["staleness/first_token/min"]
-      == min(r["step"] - 1, r["pipeline/lag"]) for r in rows)
+  # The lag=auto run once per `--sampler-first` value and repeat, the order reversed every
+  # other repeat (ABBA): the values are compared on the same machine state.
+  modes = args.sampler_first.split(",")
+  by_mode: dict[str, list[dict]] = {m: [] for m in modes}
+  for rep in range(args.repeats):
+    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+      rows, said = run("auto", args.steps, delay, args.lag_every, args.max_lag, mode)
+      one = auto_result(rows, said, args.skip, d0, possible)
+      log(f"lag auto, rollout.sampler_first={mode}: lag {one['chosen_lag']}, "
+          f"{one['auto_step_s'] * 1e3:.0f} ms a step, overlap {one['overlap_of_possible']}")
+      by_mode[mode].append(one)
+  results = {m: summarise_mode(runs) for m, runs in by_mode.items()}
+  main_mode = results[modes[0]]
   report = {
       "benchmark": "lag_auto", "quick": args.quick,
       "date": datetime.date.today().isoformat(),
@@ -178,14 +226,9 @@ def main():
       "probe_train_s": round(train, 4), "probe_sample_s": round(sample, 4),
       "lag0_step_s": round(d0, 4), "generation_s": round(gen, 4),
       "generation_over_train": round(gen / max(d0 - gen, 1e-9), 2),
-      "lag_per_step": lags, "lag_decisions_said": said, "chosen_lag": lags[-1],
-      "auto_step_s": round(d, 4), "settled_steps": len(settled),
-      "overlap_of_possible": round((d0 - d) / possible, 3) if possible > 0 else None,
-      # The worker's busy share at auto: its generation time a batch over the step's wall time
-      # (1.0: generation never waits, the trainer's work all hides behind it).
-      "auto_generation_s": round(gen_auto, 4), "worker_busy": round(gen_auto / d, 3),
+      "sampler_first": modes[0], **main_mode,
+      "by_sampler_first": results if len(modes) > 1 or args.repeats > 1 else None,
       "target_overlap": 0.85,
-      "staleness_exact_every_step": staleness_exact,
       "total_wall_s": round(time.perf_counter() - t0, 1),
   }
   print(json.dumps(report, indent=2))

@@ -4,6 +4,7 @@ slow environments that fail their rows without hanging the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import NamedTuple
@@ -255,3 +256,54 @@ def test_non_prefix_masks_give_the_same_episodes():
   for f in ("tokens", "valid", "mask", "logprobs", "policy_version", "rewards", "turns",
             "terminated", "truncated", "failed"):
     np.testing.assert_array_equal(getattr(holey, f), getattr(plain, f), err_msg=f)
+
+
+class Sections:
+  """A `turns` that records what ran inside its sections."""
+
+  def __init__(self):
+    self.inside, self.entered, self.log = False, 0, []
+
+  @contextlib.contextmanager
+  def section(self):
+    self.inside, self.entered = True, self.entered + 1
+    try:
+      yield
+    finally:
+      self.inside = False
+
+
+def test_each_turns_sampler_call_and_fetch_is_one_section_and_env_calls_are_outside():
+  """`MultiTurn(turns=)`: every sampler call and the copy of its outputs run inside a section
+  (what `rollout.sampler_first` lets go before the train step), every environment call outside
+  one; the episodes equal those of a loop without sections."""
+  turns = Sections()
+
+  class Watched(CountingEnv):
+    def step(self, batch):
+      turns.log.append(("env", turns.inside))
+      return super().step(batch)
+
+  class WatchedSampler(FakeSampler):
+    def __call__(self, *a, **k):
+      turns.log.append(("sample", turns.inside))
+      return super().__call__(*a, **k)
+
+  def fetch(x):
+    turns.log.append(("fetch", turns.inside))
+    return x
+
+  budget = Budget(max_prompt_len=6, max_new_tokens=3, max_total_tokens=16, max_turns=3)
+  envs = {"e": Watched("e", 3, 2), "f": Watched("f", 3, 1)}
+  loop = MultiTurn(TOK, envs, budget, 4, WatchedSampler(4, 3), WatchedSampler(1, 3),
+                   fetch=fetch, env_timeout_s=5.0, turns=turns)
+  tasks = _tasks(8)
+  ep = loop.run(None, tasks, KEY, request_base=0, version=3, temperature=1.0)
+  plain = _loop({"e": CountingEnv("e", 3, 2), "f": CountingEnv("f", 3, 1)}).run(
+      None, tasks, KEY, request_base=0, version=3, temperature=1.0)
+  assert np.array_equal(ep.tokens, plain.tokens) and np.array_equal(ep.rewards, plain.rewards)
+  n_turns = int(ep.turns.max())
+  assert n_turns >= 2 and turns.entered == n_turns
+  assert [k for k, _ in turns.log if k != "env"] == ["sample", "fetch"] * n_turns
+  assert all(inside for k, inside in turns.log if k != "env")
+  assert any(k == "env" for k, _ in turns.log) and not any(i for k, i in turns.log if k == "env")

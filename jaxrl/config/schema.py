@@ -208,6 +208,7 @@ RULES: list[tuple[str, Rule]] = [
     ("rollout.lag", (lambda v: v == AUTO_LAG or v >= 0, f">= 0 or {AUTO_LAG!r}")),
     ("rollout.max_lag", _ge(0)),
     ("rollout.lag_every", _ge(1)),
+    ("rollout.sampler_first", _one_of(("auto", "on", "off"))),
     ("rollout.max_regenerations", _ge(0)),
     # Below a second the watchdog fires while a healthy batch is still being generated.
     ("rollout.stall_timeout_s", (lambda v: v >= 1.0, ">= 1.0 (seconds: the watchdog must outlast "

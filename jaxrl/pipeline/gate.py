@@ -93,6 +93,7 @@ class LagGate:
     self._trainer_wait_s = 0.0
     self._reserve_since: float | None = None  # start of the worker's current blocked reserve()
     self._pull_since: float | None = None  # start of the trainer's current pull() wait
+    self._last_pull_waited = False  # the last pull found its batch not yet delivered
     self._counters = {"regenerated": 0, "filtered": 0}
 
   # -- worker side ---------------------------------------------------------------------------
@@ -184,6 +185,7 @@ class LagGate:
       self._release_locked()
       start = time.monotonic()
       self._pull_since = start
+      self._last_pull_waited = False
       try:
         while True:
           self._raise_if_failed()
@@ -191,6 +193,7 @@ class LagGate:
             raise PipelineClosed("pipeline closed")
           if self._consumed in self._ready:
             break
+          self._last_pull_waited = True
           now = time.monotonic()
           deadline = max(start, self._last_progress) + self.stall_timeout_s
           if now >= deadline:
@@ -277,6 +280,15 @@ class LagGate:
     with self._cond:
       return min(max(0, b - self._lag_of_locked(b))
                  for b in range(first_batch, first_batch + self.capacity))
+
+  def next_to_make(self) -> int | None:
+    """The first batch not yet delivered, which one worker is making or starts next, when it
+    holds or may now take a slot (under its lag as set so far); None while the ring is full."""
+    with self._cond:
+      b = self._completed
+      if b < self._submitted or b - self._freed < self._lag_of_locked(b) + 1:
+        return b
+      return None
 
   def _lag_of_locked(self, batch_id: int) -> int:
     lag = self._schedule[0][1]
@@ -365,6 +377,18 @@ class LagGate:
   def closed(self) -> bool:
     with self._cond:
       return self._closed
+
+  @property
+  def last_pull_waited(self) -> bool:
+    """The last `pull()` found its batch not yet delivered: the worker was the slower side."""
+    with self._cond:
+      return self._last_pull_waited
+
+  @property
+  def ended(self) -> bool:
+    """Closed, or its worker failed: nothing more will be delivered."""
+    with self._cond:
+      return not self._open()
 
   # -- internals -----------------------------------------------------------------------------
 

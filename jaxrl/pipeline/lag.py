@@ -42,12 +42,14 @@ gate's lag schedule and the tuner's measurements.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 from jaxrl.pipeline.gate import LagGate
 from jaxrl.pipeline.handoff import ParamsHandoff
 from jaxrl.pipeline.tuner import LagTuner
+from jaxrl.pipeline.turns import SamplerFirst
 from jaxrl.pipeline.worker import InlineWorker, RolloutWorker
 
 
@@ -56,7 +58,8 @@ class LagPipeline:
   def __init__(self, producer, lag: int | LagTuner, *, stall_timeout_s: float = 600.0,
                inline: bool = False, publisher: Callable | None = None,
                handoff: ParamsHandoff | None = None, name: str = "rollout-worker",
-               say: Callable[[str], None] = lambda line: None):
+               say: Callable[[str], None] = lambda line: None,
+               turns: SamplerFirst | None = None):
     """`producer`: see the module docstring (a bare `produce` callable works without
     checkpoints). An item with a `counts` mapping adds it to the cumulative counters of
     `stats()` when delivered. `inline`: produce in the caller's thread just before each pull
@@ -68,16 +71,23 @@ class LagPipeline:
     A producer with `bind_stop(should_stop)` is given the worker's stop test, which its waits
     poll (a producer that waits on other processes).
     `lag`: an int, or a `LagTuner` (the lag tunes itself; module docstring) whose changes are
-    told to `say`, one line each."""
+    told to `say`, one line each.
+    `turns`: a `SamplerFirst` the producer's device sections mark (`jaxrl.pipeline.turns`):
+    a pull that had to wait for its batch (the worker is the slower side) then returns once
+    the first device section of the batch the worker makes next has run (the trainer lets it
+    go first on devices the two share)."""
     self.producer = producer
     make = getattr(producer, "produce", producer)
 
+    self.turns = turns if not inline else None  # inline: the worker is the trainer's thread
+    making = contextlib.nullcontext if self.turns is None else self.turns.making
     self.tuner = lag if isinstance(lag, LagTuner) else None
     lag = lag.start if self.tuner else lag
 
     def produce(batch_id: int, params, version: int):
       began = time.monotonic()
-      item = make(batch_id, params, version)
+      with making(batch_id):
+        item = make(batch_id, params, version)
       if self.tuner is not None and self._made:  # the first batch made here compiles
         self.tuner.observe_generation(batch_id, time.monotonic() - began)
       self._made += 1
@@ -129,6 +139,10 @@ class LagPipeline:
     if self.inline:
       self.worker.catch_up()
     batch_id, item = self.gate.pull()
+    nxt = self.gate.next_to_make() if self.turns is not None else None
+    if nxt is not None and self.gate.last_pull_waited:
+      # The worker is the slower side: its next device section goes first (`SamplerFirst`).
+      self.turns.wait(nxt + 1, lambda: self.gate.ended, self.gate.stall_timeout_s)
     item = self._globalize(batch_id, item)
     # The next batch to start is >= batch_id + 1 (version >= batch_id + 1 - L at a fixed lag).
     self.handoff.prune_below(self.gate.version_floor(batch_id + 1))
@@ -179,8 +193,12 @@ class LagPipeline:
     return self.handoff.latest()
 
   def stats(self) -> dict:
-    """The gate's snapshot (`LagGate.stats`): slots, waits, counters."""
-    return self.gate.stats()
+    """The gate's snapshot (`LagGate.stats`): slots, waits, counters; with `turns`, the
+    trainer's total wait for the worker's device sections (`turn_wait_s`)."""
+    out = self.gate.stats()
+    if self.turns is not None:
+      out["turn_wait_s"] = self.turns.waited_s
+    return out
 
   # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -226,6 +244,8 @@ class LagPipeline:
     """Puts a fresh pipeline (before `__enter__`) where the checkpointed one was."""
     ready = {int(bid): self.producer.decode(arrays[bid], h) for bid, h in host["ring"].items()}
     self.gate.restore(host["gate"], ready)
+    if self.turns is not None:
+      self.turns.restart(host["gate"]["submitted"])
     if self.tuner is not None:
       self.tuner.load_state_dict(host.get("tuner", {}))
     self.producer.load_state_dict(host)

@@ -212,6 +212,11 @@ def get_config() -> ConfigDict:
   c.rollout.lag = 0
   c.rollout.max_lag = 2  # lag "auto": the largest lag it may choose (a ring of max_lag + 1 slots)
   c.rollout.lag_every = 10  # lag "auto": steps between its decisions (each logged with its reason)
+  # With a lag, the train step waits for the worker's next sampler call to finish first where
+  # the two share the devices ("auto": colocated on a CPU, whose cores two programs would
+  # split, without partial rollouts; "on": wherever colocated; "off": never). Only timing
+  # changes: the batches, versions and staleness are the same (docs/training.md).
+  c.rollout.sampler_first = "auto"
   c.rollout.max_regenerations = 8  # re-samples of filtered groups per batch before failing
   c.rollout.stall_timeout_s = 600.0  # watchdog: fail if no batch arrives for this long
   # Partial rollouts (rollout.engine=continuous): a batch starts on its forced-lag params and

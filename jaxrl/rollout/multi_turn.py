@@ -27,6 +27,7 @@ Every episode's reward is the sum of its turn rewards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -247,10 +248,13 @@ class MultiTurn:
 
   def __init__(self, tokenizer, envs: Mapping[str, object], budget: Budget, group_size: int,
                sample_first: Callable, sample_next: Callable | None, fetch: Callable,
-               env_timeout_s: float):
+               env_timeout_s: float, turns=None):
     self.tok, self.envs, self.budget, self.G = tokenizer, dict(envs), budget, group_size
     self.sample_first, self.sample_next, self.fetch = sample_first, sample_next, fetch
     self.env_timeout_s = env_timeout_s
+    # Each turn's sampler call and copy to the host is a device section of `turns` (a
+    # `jaxrl.pipeline.turns.SamplerFirst`: the trainer lets it go first), or nothing.
+    self.section = contextlib.nullcontext if turns is None else turns.section
 
   def max_turns(self, task: Task) -> int:
     return max(1, min(self.budget.max_turns, int(getattr(self.envs[task.env], "max_turns", 1))))
@@ -269,13 +273,14 @@ class MultiTurn:
     turn = 0
     while st.active.any():
       tkey = key if turn == 0 else jax.random.fold_in(key, 1_000_003 + turn)
-      if turn == 0:
-        out = self.sample_first(params, prompts, pvalid, tkey, request_ids, temperature, top_k,
-                                top_p, version=version)
-      else:
-        out = self.sample_next(params, *self._contexts(st), tkey, request_ids, temperature,
-                               top_k, top_p, version=version)
-      news, cut, ended_eos = self._record(st, out, version)
+      with self.section():
+        if turn == 0:
+          out = self.sample_first(params, prompts, pvalid, tkey, request_ids, temperature, top_k,
+                                  top_p, version=version)
+        else:
+          out = self.sample_next(params, *self._contexts(st), tkey, request_ids, temperature,
+                                 top_k, top_p, version=version)
+        news, cut, ended_eos = self._record(st, out, version)
       calls, where = self._env_turns(st, news, cut, ended_eos, turn)
       self._apply(st, _call_all(calls, self.env_timeout_s), where, turn)
       turn += 1

@@ -97,7 +97,8 @@ def rl(parts, params, topology, io: RunIO, *, start: LoopStart | None = None,
   state = step.init_state(params)
   lag = LagTuner(r.max_lag, r.lag_every) if r.lag == AUTO_LAG else r.lag
   pipe = LagPipeline(feed.producer, lag, stall_timeout_s=r.stall_timeout_s, inline=feed.inline,
-                     publisher=feed.publisher, handoff=handoff, say=io.progress.say)
+                     publisher=feed.publisher, handoff=handoff, say=io.progress.say,
+                     turns=feed.turns)
   # Its passes run on threads named jaxrl-validation-<step> (benchmarks/soak.py counts them).
   evaluator = Evaluator(parts, asynchronous=v.asynchronous and feed.asynchronous_eval,
                         max_wait_s=v.max_wait_s, name="jaxrl-validation")

@@ -66,16 +66,17 @@ class Parts:
   teacher: object = None
 
   def train_loop(self, newest: NewestParams | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> MultiTurn:
+                 mesh: jax.sharding.Mesh | None = None, turns=None) -> MultiTurn:
     """The training rollouts' multi-turn loop; `newest` is the newest-params source of partial
     rollouts (the lag pipeline's). `mesh`: the mesh it generates on, default `rollout_mesh`
-    (several processes: each process's own devices, `ProcessShare.mesh`)."""
+    (several processes: each process's own devices, `ProcessShare.mesh`). `turns`: the
+    `SamplerFirst` its device sections mark, or None."""
     if is_agent(self.cfg.task.name):  # the agent's episodes, through the run's own server
       return agent_loop(self, self.cfg.rollout.group_size, newest)
     s = build_samplers(self.cfg, self.rollout_graphdef, self.tok, mesh or self.rollout_mesh,
                        newest)
     return MultiTurn(self.tok, self.envs, self.budget, self.cfg.rollout.group_size, s.train,
-                     s.next_turn, parallel.distributed.fetch, self.cfg.env.timeout_s)
+                     s.next_turn, parallel.distributed.fetch, self.cfg.env.timeout_s, turns)
 
   def for_rollout(self, params):
     """`params` placed for generation: as they are when colocated; else a copy on the rollout

@@ -36,11 +36,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl import parallel
 from jaxrl.config import MeshShape
+from jaxrl.envs.agent_task import is_agent
 from jaxrl.learner.rl import lora_model
 from jaxrl.models import lora as lora_lib
 from jaxrl.parallel import sides as devices_lib
 from jaxrl.pipeline import ParamsHandoff, remote
 from jaxrl.pipeline.producer import RolloutProducer, process_share
+from jaxrl.pipeline.turns import SamplerFirst
 from jaxrl.rollout.precision import rollout_dtype
 from jaxrl.runtime import mirror
 
@@ -191,6 +193,8 @@ class Feed:
   lora: object = None  # the LoRA model config, or None
   # A stop asked for on another process (a signal that reached a rollout process), or None.
   stop_elsewhere: Callable[[], bool] | None = None
+  # The producer's device sections go before the train step (`jaxrl.pipeline.turns`), or None.
+  turns: SamplerFirst | None = None
 
   def eval_params(self, published, train_params):
     """The params an evaluation pass of this version generates with."""
@@ -290,12 +294,28 @@ class Topology:
                   inline=False, eval_on_train=True, asynchronous_eval=False, lora=lora,
                   stop_elsewhere=lambda: sender.channel.has("stop"))
     share = process_share(parts)
-    producer = RolloutProducer(parts, parts.train_loop(newest, share and share.mesh), share)
+    inline = not single and share is None
+    turns = SamplerFirst() if not inline and self.sampler_first(parts) else None
+    producer = RolloutProducer(parts, parts.train_loop(newest, share and share.mesh, turns),
+                               share)
     publisher = LocalPublisher(parts) if share is None else ProcessPublisher(parts, share)
     if lora is not None:
       publisher = AdapterPublisher(publisher, lora, rollout_dtype(parts.cfg))
-    return Feed(producer, publisher, inline=not single and share is None,
-                eval_on_train=not single, asynchronous_eval=single, lora=lora)
+    return Feed(producer, publisher, inline=inline, eval_on_train=not single,
+                asynchronous_eval=single, lora=lora, turns=turns)
+
+  def sampler_first(self, parts) -> bool:
+    """Whether the train step lets the rollout worker's device sections go first
+    (`jaxrl.pipeline.turns`, `rollout.sampler_first`): colocated, with samplers whose calls
+    mark their sections (not an agent's server), and for "auto" on CPU devices (whose cores the
+    two would split) without partial rollouts (whose batches are to take the versions
+    published while they generate)."""
+    r = parts.cfg.rollout
+    how = r.get("sampler_first", "auto")
+    if self.kind != "colocated" or how == "off" or is_agent(parts.cfg.task.name):
+      return False
+    return how == "on" or (parts.mesh.devices.flat[0].platform == "cpu"
+                           and not r.partial_rollouts)
 
   def describe(self, parts, feed: Feed | None = None) -> str | None:
     """One line on where rollouts run, or None when colocated."""
