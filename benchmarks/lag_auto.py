@@ -24,9 +24,10 @@ sleep overlaps freely). With `rollout.sampler_first` (default "auto": on, here) 
 waits for the worker's sampler call of the next batch, then runs during its reward's wait;
 `--sampler-first auto,off --repeats 2` runs the lag=auto run both ways side by side (ABBA), the
 two sharing the probe and the lag-0 run. Without it ("off"), the two programs split the cores
-and every batch, the critical path, is later by the train step's share. `--pipeline` measures the lag alone: `LagPipeline` with a tuner,
-a producer that sleeps G per batch (uniform +-20% jitter) and a trainer that sleeps T per step
-(G = 3 T), lag 0 then `auto`, the same overlap figure.
+and every batch, the critical path, is later by the train step's share. `--pipeline` measures
+the lag alone: `LagPipeline` with a tuner, a producer that sleeps G per batch (uniform +-20%
+jitter) and a trainer that sleeps T per step (G = 3 T), lag 0 then `auto`, the same overlap
+figure.
 
 Prints ONE JSON object (progress on stderr).
 
@@ -177,6 +178,9 @@ def main():
   ap.add_argument("--start", type=int, default=None,
                   help="--pipeline: the lag before the first decision (default 1, as a run's)")
   args = ap.parse_args()
+  bad = [m for m in args.sampler_first.split(",") if m not in ("auto", "on", "off")]
+  if bad:  # before the probe runs, not after it
+    ap.error(f"--sampler-first: {bad} not in auto, on, off")
   if args.quick:
     args.steps, args.lag_every, args.skip = 20, 4, 3
   t0 = time.perf_counter()

@@ -139,9 +139,10 @@ class LagPipeline:
     if self.inline:
       self.worker.catch_up()
     batch_id, item = self.gate.pull()
-    nxt = self.gate.next_to_make() if self.turns is not None else None
-    if nxt is not None and self.gate.last_pull_waited:
-      # The worker is the slower side: its next device section goes first (`SamplerFirst`).
+    # A pull that waited: the worker is the slower side, its next device section goes first.
+    waited = self.turns is not None and self.gate.last_pull_waited
+    nxt = self.gate.next_to_make() if waited else None
+    if nxt is not None:
       self.turns.wait(nxt + 1, lambda: self.gate.ended, self.gate.stall_timeout_s)
     item = self._globalize(batch_id, item)
     # The next batch to start is >= batch_id + 1 (version >= batch_id + 1 - L at a fixed lag).
@@ -244,8 +245,6 @@ class LagPipeline:
     """Puts a fresh pipeline (before `__enter__`) where the checkpointed one was."""
     ready = {int(bid): self.producer.decode(arrays[bid], h) for bid, h in host["ring"].items()}
     self.gate.restore(host["gate"], ready)
-    if self.turns is not None:
-      self.turns.restart(host["gate"]["submitted"])
     if self.tuner is not None:
       self.tuner.load_state_dict(host.get("tuner", {}))
     self.producer.load_state_dict(host)

@@ -41,7 +41,9 @@ class SamplerFirst:
   def __init__(self):
     self._cond = threading.Condition()
     self._batch: int | None = None  # the batch the worker is making now
-    self._first_done = 0  # batches 0.._first_done-1 ran their first section (or ended)
+    # Batches 0.._first_done-1 ran their first section (or ended). A resumed pipeline needs no
+    # count of the batches made before its checkpoint: the first it makes raises it past them.
+    self._first_done = 0
     self.waited_s = 0.0  # the trainer's total time in `wait`
     self.waits = 0  # waits that found the worker's section not yet run
 
@@ -71,12 +73,6 @@ class SamplerFirst:
         self._first_done = batch_id + 1
         self._cond.notify_all()
 
-  def restart(self, first_batch: int) -> None:
-    """The worker makes `first_batch` next (a resumed pipeline: earlier batches were made)."""
-    with self._cond:
-      self._first_done = max(self._first_done, first_batch)
-      self._cond.notify_all()
-
   def wait(self, upto: int, give_up: Callable[[], bool], timeout_s: float) -> float:
     """Waits until batches 0..upto-1 ran their first device section (or ended), `give_up()`
     holds, or `timeout_s` passed; returns the seconds waited."""
@@ -94,4 +90,3 @@ class SamplerFirst:
     waited = time.monotonic() - began
     self.waited_s += waited
     return waited
-
