@@ -244,6 +244,7 @@ RULES: list[tuple[str, Rule]] = [
     ("train.grad_clip", _gt(0)),
     ("train.num_microbatches", _ge(0)),
     ("train.microbatch_tokens", _ge(1)),
+    ("train.length_buckets", _ge(0)),
     ("advantage.estimator", _one_of(set(ADVANTAGE_ESTIMATORS))),
     ("advantage.eps", _ge(0)),
     ("advantage.clip", _ge(0)),

@@ -251,3 +251,30 @@ def padding_fraction(lengths, budget: int) -> float:
   Padding to the longest instead costs `1 - mean / max`."""
   fills = first_fit_fills(lengths, budget)
   return 1.0 - sum(fills) / (len(fills) * budget) if fills else 0.0
+
+
+def micro_batches(batch, advantages, budget: int, shared_prompts: int, shards: int,
+                  micro_grads, add, start):
+  """Gradients and stats of a train step summed over token-budget micro-batches of `budget`
+  positions per packed row: `shards` packed rows each, as many as the batch's tokens fill (a
+  `while` loop over the count the packing reports, so a short batch runs fewer). Micro-batch k
+  sees every row, its mask cut to the rows packed into it: the objective's sums then take exactly
+  those rows, over the global counts. `micro_grads(batch, advantages, k, packed)`, `add(acc,
+  grads, stats)` and `start(stats shapes)` are the step's."""
+  b, lp = batch.prompt_tokens.shape
+  n = batch.tokens.shape[1]
+  seen = batch.mask if batch.completion_valid is None else batch.completion_valid | batch.mask
+  streams = capacity(b, lp, n, budget, shards)
+  group = shared_prompts if b % max(shared_prompts, 1) == 0 else 0
+  packed = pack(batch.prompt_tokens, batch.prompt_valid, batch.tokens, seen, batch.temperature,
+                group=group, budget=budget, streams=streams, routing=batch.routing,
+                segment=batch.completion_segment)
+
+  def micro(k):
+    in_mb = (packed.stream // shards == k)[:, None]
+    return micro_grads(batch._replace(mask=batch.mask & in_mb), advantages, k,
+                       (packed, k, shards))
+
+  _, stats0 = jax.eval_shape(micro, jnp.int32(0))
+  count = (packed.used + shards - 1) // shards
+  return jax.lax.fori_loop(0, count, lambda k, acc: add(acc, *micro(k)), start(stats0))

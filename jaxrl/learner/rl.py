@@ -56,7 +56,8 @@ def rl_step_config(cfg, shards: int = 1) -> StepConfig:
                     pack_tokens=cfg.train.microbatch_tokens if packing else 0,
                     logprob_impl=logprob_impl(cfg), moe_aux_coef=cfg.loss.moe_aux_coef,
                     # absent from configs saved before it
-                    routing_replay=cfg.get("moe", {}).get("routing_replay") == "rollout")
+                    routing_replay=cfg.get("moe", {}).get("routing_replay") == "rollout",
+                    length_buckets=cfg.train.get("length_buckets", 0))
 
 
 def lora_model(parts) -> ModelConfig | None:

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -46,7 +47,7 @@ from jaxrl.models import moe
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import KVCache
 from jaxrl.core.types import TrainBatch, TrainState
-from jaxrl.learner import packing, routing
+from jaxrl.learner import packing, routing, widths as widths_lib
 # The optimizer is built here too (callers import it with the step).
 from jaxrl.learner.optimizer import learning_rate_schedule, make_optimizer  # noqa: F401
 
@@ -87,6 +88,10 @@ class StepConfig:
   # Mixture-of-experts models: route the generated tokens to the sampler's experts
   # (`TrainBatch.routing`) in the policy's forward passes (`learner.routing`).
   routing_replay: bool = False
+  # > 1: each batch runs with its prompts and completions cut to the columns its rows use,
+  # rounded up to one of this many widths per budget (`jaxrl.learner.widths`; a program per
+  # width used). 0 or 1: every batch at its full widths.
+  length_buckets: int = 0
 
   def rollout_logprob_users(self) -> tuple[str, ...]:
     return self.objective.rollout_logprob_users() if self.loss == "rl" else ()
@@ -253,32 +258,6 @@ def global_counts(batch: TrainBatch, cfg: StepConfig) -> dict[str, jax.Array]:
   return losses.global_counts(cfg.objective, batch.mask)
 
 
-def _packed_micro_batches(batch: TrainBatch, advantages, cfg: StepConfig, shards: int,
-                          micro_grads, add, start):
-  """Gradients and stats summed over token-budget micro-batches (`cfg.pack_tokens`): `shards`
-  packed rows each, as many as the batch's tokens fill (a `while` loop over the count the
-  packing reports, so a short batch runs fewer). Micro-batch k sees every row, its mask cut to
-  the rows packed into it: the objective's sums then take exactly those rows, over the global
-  counts."""
-  b, lp = batch.prompt_tokens.shape
-  n = batch.tokens.shape[1]
-  seen = batch.mask if batch.completion_valid is None else batch.completion_valid | batch.mask
-  streams = packing.capacity(b, lp, n, cfg.pack_tokens, shards)
-  group = cfg.shared_prompts if b % max(cfg.shared_prompts, 1) == 0 else 0
-  packed = packing.pack(batch.prompt_tokens, batch.prompt_valid, batch.tokens, seen,
-                        batch.temperature, group=group, budget=cfg.pack_tokens, streams=streams,
-                        routing=batch.routing, segment=batch.completion_segment)
-
-  def micro(k):
-    in_mb = (packed.stream // shards == k)[:, None]
-    return micro_grads(batch._replace(mask=batch.mask & in_mb), advantages, k,
-                       (packed, k, shards))
-
-  _, stats0 = jax.eval_shape(micro, jnp.int32(0))
-  count = (packed.used + shards - 1) // shards
-  return jax.lax.fori_loop(0, count, lambda k, acc: add(acc, *micro(k)), start(stats0))
-
-
 def train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cfg: StepConfig,
                row_sharding: NamedSharding | None = None, teacher=None
                ) -> tuple[TrainState, dict]:
@@ -338,8 +317,8 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, optimizer, cf
     return jax.tree.map(jnp.zeros_like, state.params), fill
 
   if cfg.pack_tokens:
-    grads, stats = _packed_micro_batches(batch, advantages, cfg, row_shards(row_sharding),
-                                         micro_grads, add, start)
+    grads, stats = packing.micro_batches(batch, advantages, cfg.pack_tokens, cfg.shared_prompts,
+                                         row_shards(row_sharding), micro_grads, add, start)
   else:
     micro = jax.tree.map(lambda x: _split(x, m, max(group, 1)), (batch, advantages))
     _, stats0 = jax.eval_shape(micro_grads, *jax.tree.map(lambda x: x[0], micro), 0)
@@ -435,23 +414,35 @@ def build_train_step(graphdef, optimizer, cfg: StepConfig, mesh: Mesh, params, *
   else:
     t_graphdef, t_params = teacher
     extra, extra_sh = (t_params,), (parallel.param_shardings(t_params, mesh),)
-  def jitted(s, b, *rest):
+  def jitted(s, b, *rest, widths=None):
     frozen, t = (rest[0], rest[1:]) if lora else (None, rest)
+    b = b if widths is None else widths_lib.trim(b, *widths)
     new, metrics = train_step(s._replace(frozen=frozen), b, graphdef=graphdef,
                               optimizer=optimizer, cfg=cfg, row_sharding=row,
                               teacher=(t_graphdef, t[0]) if t else None)
     return new._replace(frozen=None), metrics
 
-  step_jit = jax.jit(jitted, in_shardings=(state_sh, row, *((frozen_sh,) if lora else ()),
-                                           *extra_sh),
-                     out_shardings=(state_sh, rep), donate_argnums=(0,))
+  def program(widths=None):
+    return jax.jit(functools.partial(jitted, widths=widths),
+                   in_shardings=(state_sh, row, *((frozen_sh,) if lora else ()), *extra_sh),
+                   out_shardings=(state_sh, rep), donate_argnums=(0,))
+
+  step_jit = program()  # full widths: the program `compile_step` compiles ahead
+  narrow = functools.lru_cache(maxsize=None)(program)  # one per (prompt, completion) widths
 
   def step(state, batch):
     check_batch(batch, cfg)
+    widths = widths_lib.step_widths(batch, cfg.length_buckets, rep)
+    fn = step_jit if widths is None else narrow(widths)
     if not lora:
-      return step_jit(state, batch, *extra)
-    new, metrics = step_jit(state._replace(frozen=None), batch, state.frozen, *extra)
-    return new._replace(frozen=state.frozen), metrics
+      new, metrics = fn(state, batch, *extra)
+    else:
+      new, metrics = fn(state._replace(frozen=None), batch, state.frozen, *extra)
+      new = new._replace(frozen=state.frozen)
+    if cfg.length_buckets > 1:
+      metrics["train/prompt_width"], metrics["train/completion_width"] = (
+          widths or (batch.prompt_tokens.shape[1], batch.tokens.shape[1]))
+    return new, metrics
 
   step.extra_args = extra
   step.lora = lora

@@ -278,6 +278,12 @@ def get_config() -> ConfigDict:
   # are used (num_microbatches must stay 0). The loss is the unpacked step's (same global counts).
   # microbatch_tokens must hold one row: max_prompt_len + completion budget.
   c.train.packing = False
+  # Cut each batch's padding before its step: prompts and completions run only as wide as the
+  # batch's rows use, rounded up to one of this many evenly spaced widths per budget (a compiled
+  # step per width used; the update is the same up to float rounding). 0 or 1 = off: every batch
+  # at the full budgets, one program. Pays when a batch's longest reply ends well inside its
+  # budget (docs/training.md).
+  c.train.length_buckets = 0
   # Updates skipped for non-finite gradients before the run stops (with a checkpoint); 0 = never.
   c.train.max_skipped_updates = 0
   # Stop (with a checkpoint) after this many updates in a row were skipped for non-finite
