@@ -76,12 +76,13 @@ def get_config():
 
   # Token-budget packing in rows of 640 positions: each group's prompt (from its first token)
   # and its replies (each to its last token) laid end to end, about two groups a row, instead of
-  # 4 micro-batches of 2 groups padded to the 64-token budget (1,216 positions each). Replies
-  # here average ~30 tokens, but every batch measured had one of 57-64, so cutting the padding
-  # to the batch's longest reply (train.length_buckets) gains nothing. The same update up to
-  # float rounding; the train step on a batch of this recipe's shape took 36 s against 45 s
-  # unpacked (benchmarks/step_variants.py, benchmarks/README.md). Rows of 512 or 768 positions
-  # were slower (fewer groups fit, or denser attention per row).
+  # 4 micro-batches of 2 groups padded to the 64-token budget (1,216 positions each); the same
+  # update up to float rounding, with a smaller memory plan (2.25 against 3.06 GiB). On a
+  # synthetic batch of this shape the step took 36 s against 45 s unpacked; on the real batches
+  # of the TRL comparison it was about as fast as unpacked (median 43 s against about 41.5 s),
+  # sampling the same batches (benchmarks/README.md, "TRL on the same model"). Replies here
+  # average ~30 tokens, but every batch measured had one of 57-64, so cutting the padding to the
+  # batch's longest reply (train.length_buckets) gains nothing.
   c.train.packing = True
   c.train.microbatch_tokens = 640
 
