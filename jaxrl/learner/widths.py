@@ -57,8 +57,8 @@ def used_columns(prompt_valid: jax.Array, mask: jax.Array,
 
 
 @functools.lru_cache(maxsize=16)
-def _used_columns_program(out: NamedSharding):
-  return jax.jit(used_columns, out_shardings=out)
+def _used_columns_program(out: NamedSharding | None):
+  return jax.jit(used_columns, out_shardings=out)  # one program per placement, reused every step
 
 
 def step_widths(batch: TrainBatch, buckets: int, replicated: NamedSharding | None
@@ -71,9 +71,8 @@ def step_widths(batch: TrainBatch, buckets: int, replicated: NamedSharding | Non
   if buckets <= 1:
     return None
   lp, n = batch.prompt_tokens.shape[1], batch.tokens.shape[1]
-  program = _used_columns_program(replicated) if replicated is not None else jax.jit(used_columns)
-  used_lp, used_n = (int(x) for x in jax.device_get(
-      program(batch.prompt_valid, batch.mask, batch.completion_valid)))
+  used_lp, used_n = (int(x) for x in jax.device_get(_used_columns_program(replicated)(
+      batch.prompt_valid, batch.mask, batch.completion_valid)))
   widths = (bucket(max(used_lp, 1), lp, buckets), bucket(max(used_n, 1), n, buckets))
   return None if widths == (lp, n) else widths
 
