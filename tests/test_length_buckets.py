@@ -76,7 +76,8 @@ def _steps(step_cfg: StepConfig, batch: TrainBatch, steps: int = 2):
   return state, rows, step
 
 
-@pytest.mark.parametrize("shared", [0, G], ids=["per-row", "shared-prompts"])
+@pytest.mark.parametrize("shared", [0, pytest.param(G, marks=pytest.mark.slow)],
+                         ids=["per-row", "shared-prompts"])  # slow: two more compiles (~25 s)
 def test_a_batch_cut_to_its_bucket_trains_as_the_whole_padded_batch(shared):
   # 24 prompt and 40 completion columns, of which at most 5 each are used: in 8 buckets the step
   # runs 6 (ceil(24/8) = 3 is too few for 5 -> 6) and 5 columns. Same losses, metrics and
@@ -87,6 +88,7 @@ def test_a_batch_cut_to_its_bucket_trains_as_the_whole_padded_batch(shared):
   state, rows, _ = _steps(dataclasses.replace(cfg, length_buckets=8), batch)
   assert [(int(r["train/prompt_width"]), int(r["train/completion_width"])) for r in rows] == \
       [(6, 5), (6, 5)]
+  assert "train/completion_width" not in ref_rows[0]  # off: no width metrics, as before
   for r, ref in zip(rows, ref_rows):
     for key in ("loss", "grad_norm", "rollout_kl", "ref_kl", "entropy", "tokens"):
       np.testing.assert_allclose(r[key], ref[key], rtol=2e-5, atol=1e-7, err_msg=key)
@@ -101,9 +103,6 @@ def test_a_batch_that_fills_its_budget_runs_the_program_compiled_for_the_full_wi
                          mask=batch.mask | (np.arange(5)[None] == 4))
   _, rows, _ = _steps(dataclasses.replace(_FULL, length_buckets=4), batch, steps=1)
   assert (int(rows[0]["train/prompt_width"]), int(rows[0]["train/completion_width"])) == (5, 5)
-  # Off: no width metrics, as before the setting existed.
-  _, rows, _ = _steps(_FULL, batch, steps=1)
-  assert "train/completion_width" not in rows[0]
 
 
 @pytest.mark.slow  # compiles the default recipe's step twice (fast-suite time budget)

@@ -784,6 +784,46 @@ def test_stop_reports_a_produce_that_ignores_should_stop():
   assert not _alive(name)
 
 
+def test_leaving_on_an_error_waits_longer_and_never_replaces_the_error():
+  # The trainer leaves on its own error (a stall, say) while produce() is inside a call that
+  # ignores should_stop (an XLA compilation): the worker gets failed_stop_timeout_s, not
+  # stop_timeout_s, and the caller sees the trainer's error, not the worker's "did not stop".
+  gate, handoff, name = _pipeline(0)
+  release = threading.Event()
+
+  def produce(b, p, v):
+    release.wait(timeout=10)
+    return b
+
+  handoff.publish(0, {})
+  worker = RolloutWorker(gate, handoff, produce, 0, name, stop_timeout_s=0.05,
+                         failed_stop_timeout_s=5.0)
+  threading.Timer(0.5, release.set).start()  # the "compilation" ends after 0.5 s
+  t0 = time.monotonic()
+  with pytest.raises(ValueError, match="the trainer's own error") as raised:
+    with worker:
+      _wait_for(lambda: gate.stats()["submitted"] == 1, what="batch 0 reserved")
+      raise ValueError("the trainer's own error")
+  assert time.monotonic() - t0 >= 0.4 and not _alive(name)  # it waited for produce() to return
+  assert not getattr(raised.value, "__notes__", None)
+
+  # One that outlives the longer wait too is named in a note on the same error.
+  gate, handoff, name = _pipeline(0)
+  release = threading.Event()
+  handoff.publish(0, {})
+  worker = RolloutWorker(gate, handoff, produce, 0, name, stop_timeout_s=0.05,
+                         failed_stop_timeout_s=0.1)
+  with pytest.raises(ValueError, match="the trainer's own error") as raised:
+    with worker:
+      _wait_for(lambda: gate.stats()["submitted"] == 1, what="batch 0 reserved")
+      raise ValueError("the trainer's own error")
+  assert raised.value.__notes__ == [f"{name} did not stop within 0.1 s (is produce() polling "
+                                    "should_stop()?); it was left running when the run stopped"]
+  release.set()
+  worker.stop(timeout=5)
+  assert not _alive(name)
+
+
 def test_worker_rejects_mismatched_lag():
   with pytest.raises(ValueError, match="lag"):
     RolloutWorker(LagGate(1), ParamsHandoff(), lambda *a: None, 2)

@@ -40,9 +40,16 @@ class RolloutWorker:
   """
 
   def __init__(self, gate: LagGate, handoff: ParamsHandoff, produce, lag: int,
-               name: str = "rollout-worker"):
+               name: str = "rollout-worker", stop_timeout_s: float = 10.0,
+               failed_stop_timeout_s: float = 60.0):
     if lag != gate.lag:  # the lag of batch 0; the gate holds every batch's (`LagGate.lag_of`)
       raise ValueError(f"worker lag {lag} != gate lag {gate.lag}")
+    self.stop_timeout_s = stop_timeout_s
+    # Leaving on an error, the thread gets longer: it may be inside a call nothing interrupts (an
+    # XLA compilation on a slow machine can outlast a short rollout.stall_timeout_s), and a
+    # process that exits while a thread is inside XLA aborts (SIGABRT, exit 134) instead of
+    # ending with the error's own message and exit status.
+    self.failed_stop_timeout_s = failed_stop_timeout_s
     self.gate = gate
     self.handoff = handoff
     self.produce = produce
@@ -78,8 +85,10 @@ class RolloutWorker:
     self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
     self._thread.start()
 
-  def stop(self, timeout: float = 10.0) -> None:
-    """Closes the gate and joins the thread; RuntimeError if it is still alive after `timeout`."""
+  def stop(self, timeout: float | None = None) -> None:
+    """Closes the gate and joins the thread; RuntimeError if it is still alive after `timeout`
+    (default `stop_timeout_s`)."""
+    timeout = self.stop_timeout_s if timeout is None else timeout
     self.gate.close()
     if self._thread is None:
       return
@@ -96,7 +105,15 @@ class RolloutWorker:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> bool:
-    self.stop()
+    if exc is None:
+      self.stop()
+      return False
+    # Leaving on an error: that error is the one the caller sees. A thread that outlives even
+    # the longer wait is named in a note on it, never raised in its place.
+    try:
+      self.stop(max(self.stop_timeout_s, self.failed_stop_timeout_s))
+    except RuntimeError as still_running:
+      exc.add_note(f"{still_running}; it was left running when the run stopped")
     return False  # never swallow the exception (KeyboardInterrupt included)
 
 
