@@ -139,6 +139,7 @@ def test_a_tool_episode_is_one_trajectory_of_the_served_tokens(char_server):
   assert np.isfinite(ep.rewards).all()
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_a_draft_episode_is_two_sequences_of_the_served_tokens(char_server):
   server, tok, params, source, holder = char_server
   seen = {}

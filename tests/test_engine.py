@@ -134,6 +134,7 @@ def _one_call_per_step(engine, params, prompts, ids, key, temperature, top_k, to
   return out
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_batched_driver_is_bit_identical_to_one_call_per_prompt_and_row(setup):
   # Full-width decode: batching prefills and inserts into a few dispatches, overlapping the
   # host's bookkeeping with the next dispatch and reading snapshots must not change one bit.
@@ -212,8 +213,10 @@ def _teacher_forced_logits(forward_logits, params, prompts, tokens):
   return np.stack([full[r, len(p) - 1:len(p) - 1 + N] for r, p in enumerate(rows)])
 
 
-@pytest.mark.parametrize("engine_kind", ["full", "windowed"])
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling,engine_kind", [
+    (dict(temperature=0.0), "full"), (dict(temperature=0.0), "windowed"), (SAMPLED, "full"),
+    pytest.param(SAMPLED, "windowed", marks=pytest.mark.slow)],  # the fast suite's budget
+    ids=["greedy-full", "greedy-windowed", "sampled-full", "sampled-windowed"])
 def test_partial_rollout_switches_params_between_dispatches(request, switch, sampling,
                                                             engine_kind):
   setup = request.getfixturevalue("setup" if engine_kind == "full" else "windowed")

@@ -347,6 +347,7 @@ print(float(jax.jit(lambda x: jnp.sin(x) * float(sys.argv[2]))(1.0)))
 """
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_a_cache_directory_another_jax_program_writes_to_stays_usable(tmp_path):
   # JAX's eviction (a max size) reads an access-time file per entry that a writer without eviction
   # never makes: with eviction on beside such entries, every write warned and cached nothing.

@@ -3,10 +3,12 @@
 Every run is README command 1 (`python -m jaxrl.train`, one host device) in a subprocess, for a
 seed on one of two XLA CPU code paths: the machine's native one, and `--xla_cpu_max_isa=AVX2`,
 which stands in for another machine (XLA's CPU code, and with it every learning curve, differs by
-instruction set). CI runs this file in its own step (`pytest -m slow`): seeds 0 and 1 natively,
-seed 0 under AVX2, and a lag-2 run. The acceptance sweep (seeds 0-3 natively, 0-1 under AVX2,
-lag 2 on both) is `benchmarks/learning.py` (by default seeds 0-7 on both paths), whose numbers
-are in benchmarks/README.md: each run is ~150 s of a 2-core machine, and CI's 75 minutes do not
+instruction set). CI runs this file in its own step (`pytest -m slow`): seed 0 natively and
+under AVX2 (skipped where the CPU has nothing past AVX2: the same code), a lag-2 run and a
+rollout-KL run. Seed 1 left CI on 2026-12-07 (170 s of a 2-core worker, on a CI run that took
+77 of its 90 minutes): more seeds are the sweep's job. The acceptance sweep (seeds 0-3
+natively, 0-1 under AVX2, lag 2 on both) is `benchmarks/learning.py` (by default seeds 0-7 on
+both paths), whose numbers are in benchmarks/README.md: each run is ~150 s of a 2-core machine, and CI's 75 minutes do not
 hold nine of them beside the rest of the slow step.
 """
 
@@ -71,7 +73,7 @@ def _assert_learned(summary):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,isa", [(0, "native"), (1, "native"), (0, "avx2")])
+@pytest.mark.parametrize("seed,isa", [(0, "native"), (0, "avx2")])
 def test_default_run_learns(seed, isa, tmp_path):
   _skip_same_code(isa)
   summary, rows = _run(tmp_path, isa, f"--config.seed={seed}")

@@ -97,6 +97,7 @@ def test_a_batch_cut_to_its_bucket_trains_as_the_whole_padded_batch(shared):
   assert diff <= 1e-6
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_a_batch_that_fills_its_budget_runs_the_program_compiled_for_the_full_width():
   batch = _batch(5, 5)  # every column used by some row: nothing to cut
   batch = batch._replace(prompt_valid=np.ones_like(batch.prompt_valid),

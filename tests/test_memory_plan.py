@@ -66,6 +66,7 @@ def test_param_optimizer_and_kv_bytes(devices, mesh_shape, param_dtype, itemsize
   assert t["lag1"] == t["train"] + b["params"] + b["kv_cache"]
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_compiled_memory_analysis(devices):
   # The one train-step compile of this file (5-10 s here): fsdp and tensor axes both in play.
   r = _plan((1, 4, 2), compile_train=True, compile_rollout=True, compile_decode=False)

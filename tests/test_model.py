@@ -37,9 +37,10 @@ def _randomise_biases(params, seed):
       lambda x: (np.asarray(x) + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype), params)
 
 
-# Two variants in the fast suite, all four with `pytest -m slow` (fast-suite time budget).
+# One variant in the fast suite, the others with `pytest -m slow` (fast-suite time budget).
 @pytest.mark.parametrize("variant", [
-    pytest.param(v, marks=pytest.mark.slow) if v in ("llama3_rope_unrolled", "qwen2_bias_tied")
+    pytest.param(v, marks=pytest.mark.slow)
+    if v in ("llama3_rope_unrolled", "qwen2_bias_tied", "qwen3_qknorm_scan")
     else v for v in sorted(VARIANTS)])
 def test_cached_greedy_decode_equals_no_cache_recompute(variant):
   cfg = tiny_model_config(**VARIANTS[variant])
@@ -73,6 +74,7 @@ def test_cached_greedy_decode_equals_no_cache_recompute(variant):
   assert out.mask.all()  # eos_id is out of vocabulary, so no row stops early
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_left_padding_does_not_change_a_prompts_continuation():
   # The same prompt with 0 and with 4 pads must decode identically: pads are masked out and
   # positions start at the first real token.

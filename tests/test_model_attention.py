@@ -64,8 +64,9 @@ def _assert_grads_close(got, want):
 
 
 @pytest.mark.parametrize("overrides", [
-    {"scan_layers": False}, {"scan_layers": True}, {"scan_layers": True, "remat": "full"}],
-    ids=["unrolled", "scan", "scan_remat_full"])
+    {"scan_layers": False}, pytest.param({"scan_layers": True}, marks=pytest.mark.slow),
+    pytest.param({"scan_layers": True, "remat": "full"}, marks=pytest.mark.slow)],
+    ids=["unrolled", "scan", "scan_remat_full"])  # slow: the fast suite's budget (2026-12-07)
 def test_xla_attention_matches_dense_in_the_no_cache_forward(overrides):
   graphdefs, params = _model_pair(**overrides)
   tokens, valid = _batch(32)
@@ -79,6 +80,7 @@ def test_xla_attention_matches_dense_in_the_no_cache_forward(overrides):
   _assert_grads_close(grads_x, grads_d)
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_xla_attention_matches_dense_in_grouped_forward():
   # As the train step calls it: 2 left-padded prompts, 3 continuations each, some with holes
   # and right padding; a loss over the real continuation tokens and the prompts' real tokens.

@@ -62,6 +62,7 @@ def test_moe_mlp_matches_a_per_token_reference(impl, k, norm):
   assert stats.experts.shape == (3, 7, k)
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_grouped_matmuls_agree_in_value_and_gradient():
   """The blocked product and `ragged_dot` on uneven groups (one empty), with their gradients."""
   keys = jax.random.split(jax.random.key(1), 3)

@@ -252,6 +252,7 @@ def test_several_processes_not_implemented(devices, monkeypatch):
     reshard([Remote()], [dst])
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_benchmark_quick():
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("XLA_FLAGS", None)  # the benchmark sets its own 8 host devices

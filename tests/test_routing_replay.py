@@ -106,6 +106,7 @@ def test_recorded_routing_is_the_models_own(model, engine):
   assert m["moe/routing_mismatch/layer_1"] == 0.0
 
 
+@pytest.mark.slow  # the fast suite's 10-minute budget (2026-12-07)
 def test_engine_records_what_the_static_sampler_records(model):
   a, b = _sample(*model, False), _sample(*model, True)
   np.testing.assert_array_equal(a[0], b[0])
