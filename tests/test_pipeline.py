@@ -788,15 +788,16 @@ def test_leaving_on_an_error_waits_longer_and_never_replaces_the_error():
   # The trainer leaves on its own error (a stall, say) while produce() is inside a call that
   # ignores should_stop (an XLA compilation): the worker gets failed_stop_timeout_s, not
   # stop_timeout_s, and the caller sees the trainer's error, not the worker's "did not stop".
+  def blocked_until(release):
+    def produce(b, p, v):
+      release.wait(timeout=10)
+      return b
+    return produce
+
   gate, handoff, name = _pipeline(0)
   release = threading.Event()
-
-  def produce(b, p, v):
-    release.wait(timeout=10)
-    return b
-
   handoff.publish(0, {})
-  worker = RolloutWorker(gate, handoff, produce, 0, name, stop_timeout_s=0.05,
+  worker = RolloutWorker(gate, handoff, blocked_until(release), 0, name, stop_timeout_s=0.05,
                          failed_stop_timeout_s=5.0)
   threading.Timer(0.5, release.set).start()  # the "compilation" ends after 0.5 s
   t0 = time.monotonic()
@@ -811,7 +812,7 @@ def test_leaving_on_an_error_waits_longer_and_never_replaces_the_error():
   gate, handoff, name = _pipeline(0)
   release = threading.Event()
   handoff.publish(0, {})
-  worker = RolloutWorker(gate, handoff, produce, 0, name, stop_timeout_s=0.05,
+  worker = RolloutWorker(gate, handoff, blocked_until(release), 0, name, stop_timeout_s=0.05,
                          failed_stop_timeout_s=0.1)
   with pytest.raises(ValueError, match="the trainer's own error") as raised:
     with worker:
