@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.core import platform
 from jaxrl.kernels.attention import attention as kernel_attention
 from jaxrl.models.model_config import ROPE_SCALINGS, ModelConfig
 
@@ -152,7 +153,7 @@ def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, scale
   and backward ~25% faster in isolation. Elsewhere autodiff's (the extra transposed copy of the
   probabilities would be a second [T, S] tensor per head on long sequences). The same values
   either way up to float rounding (`tests/test_model.py`)."""
-  if jax.default_backend() == "cpu":
+  if platform.current() == "cpu":
     return _cpu_attention(q, k_t, v, mask, scale)
   return _attention_fwd(q, k_t, v, mask, scale)[0]
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import platform
 from jaxrl.core import names
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -67,7 +68,7 @@ def resolve_attention(choice: str, backend: str | None = None, length: int | Non
     raise ValueError(f"attention={choice!r} is not one of {ATTENTION_IMPLS}")
   if choice != "auto":
     return choice
-  backend = jax.default_backend() if backend is None else backend
+  backend = platform.current() if backend is None else backend
   short = length is None or length <= AUTO_DENSE_MAX_LENGTH
   return "dense" if backend == "cpu" and short else "xla"
 
@@ -82,7 +83,7 @@ def resolve_decode_attention(choice: str, backend: str | None = None) -> str:
     raise ValueError(f"decode_attention={choice!r} is not one of {names.DECODE_ATTENTION_IMPLS}")
   if choice != "auto":
     return choice
-  backend = jax.default_backend() if backend is None else backend
+  backend = platform.current() if backend is None else backend
   return "dense" if backend == "cpu" else "xla"
 
 
@@ -97,7 +98,7 @@ def resolve_kv_cache_dtype(choice: str | None, dtype: str, backend: str | None =
     raise ValueError(f"kv_cache_dtype={choice!r} is not one of {names.KV_CACHE_DTYPES}")
   if choice != "auto":
     return choice
-  backend = jax.default_backend() if backend is None else backend
+  backend = platform.current() if backend is None else backend
   return dtype if backend == "cpu" else "bfloat16"
 
 

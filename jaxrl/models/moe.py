@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import platform
 from jaxrl.models.model_config import MOE_DISPATCHES
 
 # Recorded experts per token (routing replay): -1 where none was recorded.
@@ -56,7 +57,7 @@ def resolve_dispatch(choice: str, backend: str | None = None) -> str:
     raise ValueError(f"moe_dispatch={choice!r} is not one of {MOE_DISPATCHES}")
   if choice != "auto":
     return choice
-  backend = jax.default_backend() if backend is None else backend
+  backend = platform.current() if backend is None else backend
   return "blocked" if backend == "cpu" else "ragged_dot"
 
 

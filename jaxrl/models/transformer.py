@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.core import platform
 from jaxrl.kernels.decode_attention import decode_attention as decode_kernel
 from jaxrl.models.layers import (KERNEL_OF, attention, attention_mask, config_inv_freq,
                                  decode_attention, embed_lookup, kernel_attend, lora_dense,
@@ -253,7 +254,7 @@ class Transformer(nnx.Module):
     if run.routing is not None:
       stacked["replay"] = run.routing  # sliced per layer by the scan, like the weights
     dense = None
-    if cache is not None and run.length == 1 and jax.default_backend() == "cpu":
+    if cache is not None and run.length == 1 and platform.current() == "cpu":
       # Decode is bound by reading the weights. A matmul on a layer's slice of a stacked
       # weight makes XLA's CPU backend copy the whole slice to fresh memory first; instead
       # stream each weight in column chunks small enough that the copy stays in cache for the

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.core import platform
 from jaxrl.models import moe
 from jaxrl.models.logprobs import left_positions, scale_logits, token_logprobs
 from jaxrl.models.model_config import KVCache
@@ -99,7 +100,7 @@ def resolve_fused_sampling(choice: bool | None, backend: str | None = None) -> b
   `backend` None: JAX's default, read when the decode step is traced."""
   if choice is not None:
     return bool(choice)
-  return (jax.default_backend() if backend is None else backend) != "cpu"
+  return (platform.current() if backend is None else backend) != "cpu"
 
 
 def _logsumexp_one_pass(z: jax.Array) -> jax.Array:

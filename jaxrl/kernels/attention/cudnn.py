@@ -38,13 +38,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import platform
 from jaxrl.kernels.attention.reference import token_mask
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def _check_cudnn(q, k, v):
-  backend = jax.default_backend()
+  backend = platform.current()
   if backend != "gpu":
     raise ValueError(f"attention implementation 'cudnn' needs a CUDA GPU; the backend is "
                      f"{backend!r} (use 'xla', or 'pallas_tpu' on TPU)")

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl.core import platform
 from jaxrl.kernels.attention.reference import MASK_VALUE, UNIT_SHIFT
 from jaxrl.kernels.fused_logprob import common
 from jaxrl.kernels.fused_logprob.pallas_common import default_interpret
@@ -312,7 +313,7 @@ def _forward(q, k, v, ids, scale, bq, bk, interpret):
 
 
 def _default_interpret(args):
-  backend = jax.default_backend()
+  backend = platform.current()
   if backend == "tpu":
     return False
   if backend == "cpu":

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl.core import platform
 from jaxrl.kernels.decode_attention.reference import MASK_VALUE, operand_dtype
 
 # 64 slots: a [128, 64] bf16 key tile and a [16, 64] float32 score tile per step stay in
@@ -95,7 +96,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, *, s
 
 
 def _default_interpret():
-  backend = jax.default_backend()
+  backend = platform.current()
   if backend == "gpu":
     return False
   if backend == "cpu":

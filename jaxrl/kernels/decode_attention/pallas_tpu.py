@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl.core import platform
 from jaxrl.kernels.decode_attention.reference import MASK_VALUE, operand_dtype
 
 # 512 slots: a bf16 [128, 512] key block and a [512, 128] value block are 128 KiB each, double
@@ -81,7 +82,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_sc, l_sc, acc_sc, 
 
 
 def _default_interpret():
-  backend = jax.default_backend()
+  backend = platform.current()
   if backend == "tpu":
     return False
   if backend == "cpu":

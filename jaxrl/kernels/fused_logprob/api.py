@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import platform
 from jaxrl.kernels.fused_logprob import common, pallas_gpu, pallas_tpu, reference, xla
 from jaxrl.kernels.fused_logprob.pallas_common import default_interpret
 from jaxrl.losses.kl import kl_estimate
@@ -43,7 +44,7 @@ def pallas_fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_
   if interpret is None:
     interpret = default_interpret(h, w, targets, t)
   if layout is None:
-    layout = "gpu" if not interpret and jax.default_backend() == "gpu" else "tpu"
+    layout = "gpu" if not interpret and platform.current() == "gpu" else "tpu"
   if layout not in PALLAS_LAYOUTS:
     raise ValueError(f"unknown pallas fused_logprob layout {layout!r}; expected one of "
                      f"{tuple(PALLAS_LAYOUTS)}")
@@ -109,9 +110,11 @@ def _resolve(impl: str | None, interpret) -> str:
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"unknown fused_logprob impl {impl!r}; expected one of "
                      f"{tuple(IMPLEMENTATIONS)}")
-  backend = jax.default_backend()
+  backend = platform.current()
   compiled = interpret is False or (interpret is None and backend != "cpu")
-  if impl == "pallas" and compiled:
+  # Built for a target (`jaxrl.aot`) there is no device of it to probe: the program's own compile
+  # is the probe, and the plan reports its error.
+  if impl == "pallas" and compiled and not platform.is_target_set():
     reason = pallas_unavailable(backend)
     if reason is not None:
       if backend not in _warned:

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import platform
 from jaxrl.kernels.fused_logprob import common
 
 # TPU-friendly defaults: multiples of 128 lanes; a `[D, bv]` bf16 tile of W at D = 4096 is 4 MiB.
@@ -33,7 +34,7 @@ def default_interpret(*xs):
   """False on TPU / GPU. On CPU, Pallas' generic interpreter; inside `shard_map` (whose
   varying-axes type check that interpreter does not propagate in jax 0.10) the TPU interpreter,
   which also simulates the in-order "arbitrary" grid axis the accumulators rely on."""
-  if jax.default_backend() != "cpu":
+  if platform.current() != "cpu":
     return False
   if common.varying_axes(*xs):
     from jax.experimental.pallas import tpu as pltpu

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl.core import platform
 from jaxrl.kernels.fused_logprob import common
 from jaxrl.kernels.fused_logprob.pallas_common import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_V, col,
                                                        default_interpret, pad_rows,
@@ -39,7 +40,7 @@ def _compiler_params(interpret):
   """Dimension semantics for the `tpu` layout's (parallel, accumulating) grids."""
   if interpret:
     return None
-  backend = jax.default_backend()
+  backend = platform.current()
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
