@@ -38,7 +38,7 @@ def validate(cfg: ConfigDict, num_devices: int,
              num_processes: int | None = None,
              device_memory: int | None = None,
              device_limit: int | None = None, backend: str = "cpu",
-             notes: list[str] | None = None) -> MeshShape:
+             notes: list[str] | None = None, files: bool = True) -> MeshShape:
   """Checks `cfg` completely and returns the resolved mesh shape.
 
   A config file must start from `jaxrl.recipes.default.get_config()` and change values: keys
@@ -60,6 +60,9 @@ def validate(cfg: ConfigDict, num_devices: int,
       train step and sampler together); None: unknown (CPU), not checked.
     backend: the devices' platform ("cpu", "gpu", "tpu"): it decides `model.attention = auto`.
     notes: where a warning goes (a plan near the device's limit), one line each.
+    files: False checks the values alone, for a config that is planned and compiled but not
+      run (`jaxrl.aot`): the files and directories it names (model, task data, run directory,
+      resume, teacher, caches, sinks) and the host's and device's memory are not checked.
 
   Returns:
     The mesh shape with a -1 axis resolved against `num_devices`.
@@ -81,17 +84,18 @@ def validate(cfg: ConfigDict, num_devices: int,
   _check_profile(good, problems)
   _check_loss(good, problems)
   _check_distributed(good, problems, num_processes)
-  preflight.check_hf(good, flatten(ref), problems)
-  _check_task(good, problems)
-  preflight.check_run_dir(good, problems)
-  _check_teacher(good, problems)
-  _check_caches(good, problems)
-  preflight.check_logging(good, problems)
-  preflight.check_resume(good, problems)
-  preflight.check_memory(good, problems, processes, device_memory,
-                         preflight.host_memory_bytes())
-  memory.check_device(good, mesh, device_limit, problems, [] if notes is None else notes,
-                      backend, processes)
+  if files:
+    preflight.check_hf(good, flatten(ref), problems)
+    _check_task(good, problems)
+    preflight.check_run_dir(good, problems)
+    _check_teacher(good, problems)
+    _check_caches(good, problems)
+    preflight.check_logging(good, problems)
+    preflight.check_resume(good, problems)
+    preflight.check_memory(good, problems, processes, device_memory,
+                           preflight.host_memory_bytes())
+    memory.check_device(good, mesh, device_limit, problems, [] if notes is None else notes,
+                        backend, processes)
   if problems:
     raise ConfigError(problems)
   assert mesh is not None

@@ -460,6 +460,13 @@ def compile_step(step, init_state, params, batch: TrainBatch) -> None:
   so the first real call runs at once; the trainer does this on a thread while the warm-up runs.
   Nothing is computed or allocated on the devices.
   """
+  lower_step(step, init_state, params, batch).compile()
+
+
+def lower_step(step, init_state, params, batch: TrainBatch) -> jax.stages.Lowered:
+  """`step`'s full-width program lowered for the state `init_state(params)` would make and a
+  batch like `batch` (`compile_step`); `params` may be `jax.ShapeDtypeStruct`s on any devices,
+  e.g. a TPU topology's (`jaxrl.aot`), so the run's own step is what a plan compiles."""
   spec = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding,
                                                   weak_type=getattr(a, "weak_type", False))
   state = jax.eval_shape(init_state, params)
@@ -470,7 +477,7 @@ def compile_step(step, init_state, params, batch: TrainBatch) -> None:
   state = jax.tree.map(spec, state, step.state_shardings)
   batch = jax.tree.map(lambda a: spec(a, step.batch_sharding), batch)
   extra = jax.tree.map(lambda a: spec(a, a.sharding), getattr(step, "extra_args", ()))
-  step.jitted.lower(state, batch, *frozen, *extra).compile()
+  return step.jitted.lower(state, batch, *frozen, *extra)
 
 
 def model_params(state: TrainState):

@@ -99,14 +99,16 @@ def cast_params(params, dtype: str | None):
     groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
   out = list(leaves)
   for idx in groups.values():
-    program = _cast_program(tuple(leaves[i].sharding for i in idx), dtype)
+    program = cast_program(tuple(leaves[i].sharding for i in idx), dtype)
     for i, y in zip(idx, program([leaves[i] for i in idx])):
       out[i] = y
   return jax.tree.unflatten(treedef, out)
 
 
 @functools.lru_cache(maxsize=64)
-def _cast_program(shardings: tuple, dtype: str | None):
+def cast_program(shardings: tuple, dtype: str | None):
+  """The jitted copy `cast_params` runs for leaves on `shardings`: every floating leaf cast to
+  `dtype` (None: copied), each output on its leaf's sharding. What a publish compiles to."""
   to = None if dtype is None else DTYPES[dtype]
 
   def cast(leaves):

@@ -180,6 +180,16 @@ def _model_vocab(cfg, problems: list[str]) -> tuple[int, str]:
     return 0, ""
 
 
+def with_run_settings(model_cfg: ModelConfig, cfg: ConfigDict) -> ModelConfig:
+  """A model directory's config with the run's own settings: the compute dtype, remat and the
+  kernels (`model.attention`, `decode_attention`, `moe_dispatch`, `moe_capacity_factor`)."""
+  return dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat,
+                             attention=cfg.model.attention,
+                             decode_attention=cfg.model.get("decode_attention", "auto"),
+                             moe_dispatch=cfg.model.get("moe_dispatch", "auto"),
+                             moe_capacity_factor=cfg.model.get("moe_capacity_factor", 0.0))
+
+
 def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
                 envs: Mapping[str, object] | None = None, source=None) -> tuple[Parts, object]:
   """The parts of a run of validated config `cfg` on `mesh_shape`, and the initial params.
@@ -250,11 +260,7 @@ def build_parts(cfg: ConfigDict, mesh_shape: config_lib.MeshShape, *,
                                             scan_layers=cfg.model.scan_layers)
     except hf_lib.HFCheckpointError as e:  # a missing shard or tensor, a wrong shape
       raise config_lib.ConfigError([f"config.model.hf_path: {e}"]) from None
-    model_cfg = dataclasses.replace(model_cfg, dtype=cfg.model.dtype, remat=cfg.model.remat,
-                                    attention=cfg.model.attention,
-                                    decode_attention=cfg.model.get("decode_attention", "auto"),
-                                    moe_dispatch=cfg.model.get("moe_dispatch", "auto"),
-                                    moe_capacity_factor=cfg.model.get("moe_capacity_factor", 0.0))
+    model_cfg = with_run_settings(model_cfg, cfg)
     graphdef, _ = abstract_model(model_cfg)
   else:
     model_cfg = ModelConfig.from_config(cfg.model, tok.vocab_size)
