@@ -19,8 +19,8 @@ LAYERS = [
     ("core", "recipes"),
     ("losses", "kernels", "models", "parallel", "envs", "data"),
     ("rollout", "pipeline", "learner", "runtime", "observe", "config"),
-    ("run", "serving"),
-    ("cli", "train", "evaluate", "export", "plot", "serve"),  # cli/ and the `python -m jaxrl.X` shims
+    ("run", "serving", "aot"),
+    ("cli", "train", "evaluate", "export", "plot", "serve", "plan"),  # cli/ and the `python -m jaxrl.X` shims
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -23,6 +23,7 @@ from jaxrl.aot.targets import Target, TargetError
 from jaxrl.config import memory
 from jaxrl.config.schema import PREFIX, flatten
 from jaxrl.core.names import lag_bound
+from jaxrl.run.inputs import make_tokenizer, task_source
 
 GIB = 1 << 30
 
@@ -46,8 +47,8 @@ def prepare(cfg, target: Target, say=print) -> config_lib.MeshShape:
     return config_lib.validate(cfg, target.chips, num_processes=target.hosts,
                                backend=target.platform, files=False)
   except config_lib.ConfigError as e:
-    mesh_keys = [p for p in e.problems if p.startswith(f"{PREFIX}mesh.")]
-    if mesh_keys:
+    mesh_keys = [p for p in e.problems if p.startswith(f"{PREFIX}mesh")]
+    if mesh_keys and len(mesh_keys) == len(e.problems):
       raise TargetError(f"target {target.name} ({target.chips} chips, {target.hosts} host(s)): "
                         + "; ".join(mesh_keys)) from None
     raise
@@ -58,8 +59,6 @@ def _vocab(cfg) -> int:
   directory): the task's character tokenizer."""
   if cfg.model.hf_path or cfg.model.vocab_size:
     return 0
-  from jaxrl.run.inputs import make_tokenizer, task_source
-
   return make_tokenizer(cfg, task_source(cfg)).vocab_size
 
 
@@ -127,8 +126,10 @@ def make_plan(cfg, target: Target, mesh_shape, devices, only=(), progress=print)
 
 def render(plan: dict) -> str:
   """The plan as a table: a row per program, then the peak, the estimates and the verdict."""
-  g = lambda n: f"{n / GIB:8.2f}"
   t = plan["target"]
+  big = max([plan["peak"]["total"]] + [c["peak"] for c in plan["programs"].values()])
+  unit, scale = ("GiB", GIB) if big >= GIB else ("MiB", 1 << 20)
+  g = lambda n: f"{n / scale:8.2f}"
   out = [f"plan of {plan['config']} for {t['name']}: {t['chips']} x {t['device_kind'] or t['generation']} "
          f"({t['hbm_bytes'] / GIB:.0f} GiB HBM, {t['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
          f"{t['hbm_bandwidth'] / 1e9:,.0f} GB/s each; {t['source']})",
@@ -136,7 +137,7 @@ def render(plan: dict) -> str:
          f"{plan['model']['params']:,} params, {plan['model']['attention']} attention, remat "
          f"{plan['model']['remat']}, KV cache {plan['model']['kv_cache_dtype']}",
          "",
-         "program        compiled GiB per chip: args   output    temp    peak   compile s  "
+         f"program        compiled {unit} per chip: args   output    temp    peak   compile s  "
          "collectives (ops, MiB)"]
   for name, c in plan["programs"].items():
     if c["error"]:
@@ -148,15 +149,15 @@ def render(plan: dict) -> str:
     out.append(f"{name:<14} {'':>22}{g(m.get('argument', 0))} {g(m.get('output', 0))} "
                f"{g(m.get('temp', 0))} {g(c['peak'])} {c['compile_s']:10.0f}  {coll}")
   p = plan["peak"]
-  out += ["", f"live at once ({p['how']}): train side {p['train'] / GIB:.2f} GiB, rollout side "
-          f"{p['rollout'] / GIB:.2f} GiB, peak {p['total'] / GIB:.2f} GiB per chip of "
-          f"{t['usable_bytes'] / GIB:.2f} GiB usable"]
+  out += ["", f"live at once ({p['how']}): train side {p['train'] / scale:.2f} {unit}, rollout "
+          f"side {p['rollout'] / scale:.2f} {unit}, peak {p['total'] / scale:.2f} {unit} per chip "
+          f"of {t['usable_bytes'] / GIB:.2f} GiB usable"]
   e = plan["estimates"]
-  step = (f"{e['train_step_s']:.3f} s (XLA:TPU's estimate), MFU {e['train_mfu']:.0%}"
+  step = (f"{_seconds(e['train_step_s'])} (XLA:TPU's estimate), MFU {e['train_mfu']:.0%}"
           if e.get("train_step_s") else "no compiler estimate on this platform")
-  out.append(f"estimated: train step {step}; at 100% of peak {e['train_step_s_at_peak']:.3f} s; "
-             f"decode {e['decode_tokens_per_s']:,.0f} tokens/s (memory roofline, "
-             f"{e['decode_step_s'] * 1e3:.2f} ms a step)")
+  out.append(f"estimated: train step {step}; at 100% of the bf16 peak "
+             f"{_seconds(e['train_step_s_at_peak'])}; decode {e['decode_tokens_per_s']:,.0f} "
+             f"tokens/s (memory roofline, {_seconds(e['decode_step_s'])} a step)")
   mp = plan.get("memory_plan")
   if mp:
     out.append("jaxrl.config.memory (the plan a run prints) / compiled: train step "
@@ -167,3 +168,7 @@ def render(plan: dict) -> str:
   out += plan["lines"]
   out.append(f"({plan['label']}; {plan['wall_s']:.0f} s on {plan['machine']['cpus']} CPU cores)")
   return "\n".join(out)
+
+
+def _seconds(s: float) -> str:
+  return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"

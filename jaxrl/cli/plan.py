@@ -46,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     target = targets.parse_target(args.target)
   except targets.TargetError as e:
     return _fail(str(e))
-  missing = targets.missing_compiler(target.platform)
-  if missing:
-    return _fail(f"target {target.name}: {missing}")
+  # The config is checked before the compiler is looked for or started (validation starts no
+  # JAX backend), so every mistake in the command is named at once, compiler or not.
   targets.prepare_environment(target.platform)  # before JAX starts a backend
   from jaxrl import config as config_lib
   from jaxrl.aot import plan as plan_lib
@@ -69,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(message, file=sys.stderr)
     return 1
+  missing = targets.missing_compiler(target.platform)
+  if missing:
+    return _fail(f"target {target.name}: {missing}")
   devices = targets.devices(target)
   only = tuple(p.strip() for p in args.programs.split(",") if p.strip())
   plan = plan_lib.make_plan(cfg, target, mesh_shape, devices, only, progress=say)

@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.core import platform
 from jaxrl.kernels.decode_attention import decode_attention as decode_kernel
 from jaxrl.models.layers import (KERNEL_OF, attention, attention_mask, config_inv_freq,
                                  decode_attention, embed_lookup, kernel_attend, lora_dense,
                                  lora_dims, matmul_rows, project_qkv, rms_norm, rope_tables,
-                                 stacked_lora, streamed_matmul, write_cache)
+                                 stacked_lora, streamed_matmul, streams_weights, write_cache)
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
                                        resolve_attention, resolve_decode_attention)
@@ -254,13 +253,7 @@ class Transformer(nnx.Module):
     if run.routing is not None:
       stacked["replay"] = run.routing  # sliced per layer by the scan, like the weights
     dense = None
-    if cache is not None and run.length == 1 and platform.current() == "cpu":
-      # Decode is bound by reading the weights. A matmul on a layer's slice of a stacked
-      # weight makes XLA's CPU backend copy the whole slice to fresh memory first; instead
-      # stream each weight in column chunks small enough that the copy stays in cache for the
-      # matmul (measured 2x the weight-read rate of slice-then-matmul for batch-4 0.5B shapes
-      # on CPU). Not on accelerators: there each chunk is a kernel launch of its own, and the
-      # slice copy runs at HBM bandwidth.
+    if cache is not None and streams_weights(run.length):
       big = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(stacked)
       big_w = {n: stacked.pop(n) for n in big}
       big_w = {n: w.reshape(w.shape[0], -1, w.shape[-1]) if n == "wo"
