@@ -27,7 +27,7 @@ from jaxrl import config as config_lib  # noqa: E402
 from jaxrl.cli import export
 from jaxrl.run import driver
 from jaxrl.recipes import (llama3_2_1b_gsm8k, llama3_2_1b_gsm8k_lora,  # noqa: E402
-                           qwen2_5_0_5b_gsm8k, qwen2_5_0_5b_gsm8k_lora)
+                           qwen2_5_0_5b_gsm8k, qwen2_5_0_5b_gsm8k_lora, qwen2_5_7b_gsm8k)
 from jaxrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from jaxrl.run.parts import build_parts, make_tokenizer  # noqa: E402
 from jaxrl.models import ModelConfig, init_model  # noqa: E402
@@ -133,7 +133,7 @@ def test_recipe_runs_three_grpo_steps_and_exports(tmp_path, family):
 
 def test_recipes_name_missing_files_before_building_anything(tmp_path):
   for recipe in (qwen2_5_0_5b_gsm8k, llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k_lora,
-                 llama3_2_1b_gsm8k_lora):
+                 llama3_2_1b_gsm8k_lora, qwen2_5_7b_gsm8k):
     cfg = recipe.get_config()
     cfg.model.hf_path = str(tmp_path / "no-model")
     cfg.task.path = str(tmp_path / "no-train.jsonl")

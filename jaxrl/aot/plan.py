@@ -153,11 +153,12 @@ def render(plan: dict) -> str:
           f"side {p['rollout'] / scale:.2f} {unit}, peak {p['total'] / scale:.2f} {unit} per chip "
           f"of {t['usable_bytes'] / GIB:.2f} GiB usable"]
   e = plan["estimates"]
-  step = (f"{_seconds(e['train_step_s'])} (XLA:TPU's estimate), MFU {e['train_mfu']:.0%}"
-          if e.get("train_step_s") else "no compiler estimate on this platform")
-  out.append(f"estimated: train step {step}; at 100% of the bf16 peak "
-             f"{_seconds(e['train_step_s_at_peak'])}; decode {e['decode_tokens_per_s']:,.0f} "
-             f"tokens/s (memory roofline, {_seconds(e['decode_step_s'])} a step)")
+  decode = (f"; XLA:TPU's estimate {e['decode_compiler_tokens_per_s']:,.0f} tokens/s "
+            f"({_seconds(e['decode_compiler_step_s'])} a step)"
+            if e.get("decode_compiler_tokens_per_s") else "")
+  out.append(f"estimated: train step >= {_seconds(e['train_step_s'])} (its model FLOPs per chip at "
+             f"the bf16 peak); decode {e['decode_tokens_per_s']:,.0f} tokens/s at the memory "
+             f"roofline ({_seconds(e['decode_step_s'])} a step){decode}")
   mp = plan.get("memory_plan")
   if mp:
     out.append("jaxrl.config.memory (the plan a run prints) / compiled: train step "
