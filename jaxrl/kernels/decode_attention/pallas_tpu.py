@@ -16,8 +16,9 @@ the weights are cast to the values' dtype for `p @ v`, as `reference` does. Mask
 exactly 0, so a row that attends nothing returns 0 (`reference`: the mean of all S values).
 
 Blocks: `bk` a multiple of 128 when compiled (it is the lane axis of the keys `[Dh, bk]`, the
-scores and the per-slot flags), or the whole S. S not a multiple of `bk` is zero padded (a copy
-of the cache: size the cache's slots as a multiple of `block_k` to avoid it).
+scores and the per-slot flags), or the whole S. With S a multiple of 128, `bk` shrinks to the
+widest multiple of 128 that divides S (`plan_block`); otherwise S not a multiple of `bk` is zero
+padded (a copy of the cache: size the cache's slots as a multiple of 128 to avoid it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def plan_block(s_len: int, block_k: int | None, compiled: bool) -> tuple[int, in
   if compiled and bk % _LANES:
     raise ValueError(f"pallas_tpu decode blocks must be multiples of {_LANES} when compiled for "
                      f"TPU; got block_k={bk} (interpret=True takes any width)")
+  if s_len % bk and bk % _LANES == 0 and s_len % _LANES == 0:
+    # A block that divides S saves padding (copying) the whole cache on every call: the widest
+    # multiple of 128 up to `bk` that does (768 slots at bk = 512: 384, not a pad to 1024).
+    bk = max(w for w in range(_LANES, bk + 1, _LANES) if s_len % w == 0)
   return bk, -(-s_len // bk) * bk
 
 

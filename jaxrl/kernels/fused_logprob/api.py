@@ -35,7 +35,9 @@ def pallas_fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_
   `chunk_size` is the vocabulary block `bv` (default `pallas_common.DEFAULT_BLOCK_V` in the
   `tpu` layout; the `gpu` layout's default is `pallas_gpu.GPU_BLOCK_V`, and it rounds a given one
   down to a power of two, at most `pallas_gpu.GPU_MAX_BLOCK_V`), `block_n` the token block `bn`
-  (None: 256 in the `tpu` layout, `pallas_gpu.GPU_BLOCK_N` in the `gpu` one).
+  (None: 256 in the `tpu` layout, `pallas_gpu.GPU_BLOCK_N` in the `gpu` one). The `tpu` layout
+  shrinks a default it cannot fit in VMEM at this D (`pallas_tpu.fit_blocks`: 7B's D = 3584
+  runs (256, 128)).
   `interpret` (True, or a `pltpu.InterpretParams`) runs the kernels on CPU, where Pallas has no
   compiled backend; None picks per backend (`pallas_common.default_interpret`). `layout` (`tpu`
   | `gpu`): None = `gpu` when compiling on a GPU, else `tpu`; either runs in interpret mode, so

@@ -128,6 +128,52 @@ def _blocks(n: int, v: int, block_n: int, block_v: int):
   return bn, bv, -(-n // bn) * bn
 
 
+# Mosaic's default scoped VMEM limit is 16 MiB (v5e; measured: Mosaic rejected the 7B defaults
+# against it). Every program's double-buffered blocks and temporaries must fit: `vmem_estimate`
+# must stay within this budget, which leaves 1 MiB for what it does not count.
+VMEM_BUDGET = 15 * 2**20
+# Tried in order for a block size left to default: the defaults first, then smaller vocabulary
+# and token blocks, down to one (128, 128) tile.
+_FALLBACK_BLOCKS = ((DEFAULT_BLOCK_N, DEFAULT_BLOCK_V), (256, 256), (128, 512), (128, 256),
+                    (256, 128), (128, 128))
+
+
+def vmem_estimate(bn: int, bv: int, d: int, itemsize: int) -> int:
+  """Bytes of VMEM the largest of the three kernels holds per program: an upper bound, 1-25%
+  above Mosaic's own count where it reported one (D = 3584, bf16: `dh` at (bn, bv) = (256, 512)
+  24.3 MiB here, 20.6 Mosaic; `dW` at (256, 256) 21.5 / 19.3, at (128, 512) 29.6 / 23.4).
+
+  Per kernel: its blocks double-buffered (h `[bn, D]`, h^T `[D, bn]` (dW only), W `[D, bv]`, the
+  f32 outputs `dh [bn, D]` / `dW [D, bv]`, and the per-row `[bn, 1]` f32 columns, which VMEM
+  pads to 128 lanes: 512 bytes a row), plus temporaries: the zero-masked W tile and a few
+  `[bn, bv]` f32 tiles (z, p, dl).
+  """
+  rows = bn * 128 * 4
+  h, w, tile = bn * d * itemsize, d * bv * itemsize, bn * bv * 4
+  fwd = 2 * (h + w + 4 * rows) + w + 3 * tile
+  dh = 2 * (h + w + bn * d * 4 + 5 * rows) + w + 4 * tile
+  dw = 2 * (2 * h + w + d * bv * 4 + 5 * rows) + w + 4 * tile
+  return max(fwd, dh, dw)
+
+
+def fit_blocks(d: int, itemsize: int, block_n: int | None, block_v: int | None) -> tuple[int, int]:
+  """`(bn, bv)`: the given sizes, and for those left None the first of `_FALLBACK_BLOCKS` whose
+  `vmem_estimate` fits `VMEM_BUDGET` (the last one if none does). Only D and the dtype decide.
+  Qwen2.5-0.5B (D = 896, bf16): the defaults (256, 512) fit (11.1 MiB). Qwen2.5-7B (D = 3584):
+  they do not (34.8 MiB; Mosaic rejected them, `dh` 20.6 MiB of a 16 MiB limit); the `dW`
+  kernel's f32 `[D, bv]` output block and its h, h^T tiles rule out every pair down to
+  (256, 128) (14.9 MiB), which keeps `dh`'s and the forward's token block at 256 (W is re-read
+  once per token block).
+  """
+  if block_n is not None and block_v is not None:
+    return block_n, block_v
+  options = [(block_n or n, block_v or v) for n, v in _FALLBACK_BLOCKS]
+  for bn, bv in options:
+    if vmem_estimate(bn, bv, d, itemsize) <= VMEM_BUDGET:
+      return bn, bv
+  return options[-1]
+
+
 def _row_spec(bn, axis):
   return pl.BlockSpec((bn, 1), lambda *ij: (ij[axis], 0))
 
@@ -209,12 +255,14 @@ _core = with_gradient(_forward, _backward)
 def fused_logprob(h, w, targets, t, *, with_entropy: bool = False, chunk_size=None,
                   interpret=None, block_n: int | None = None):
   """`(logp [N], entropy [N] or None)`, float32, in the `tpu` layout; `t` is the effective
-  temperature `[N]`. `chunk_size` is the vocabulary block `bv` (default `DEFAULT_BLOCK_V`),
-  `block_n` the token block `bn` (default `DEFAULT_BLOCK_N`); both shrink to fit small inputs.
+  temperature `[N]`. `chunk_size` is the vocabulary block `bv`, `block_n` the token block `bn`
+  (None: `DEFAULT_BLOCK_V`, `DEFAULT_BLOCK_N`, or smaller where those do not fit VMEM at this
+  D, `fit_blocks`); both shrink to fit small inputs.
   `interpret`: as in `api.pallas_fused_logprob`."""
   if interpret is None:
     interpret = default_interpret(h, w, targets, t)
-  bn, bv, _ = _blocks(h.shape[0], w.shape[1], DEFAULT_BLOCK_N if block_n is None else block_n,
-                      DEFAULT_BLOCK_V if chunk_size is None else int(chunk_size))
+  bn, bv = fit_blocks(h.shape[1], jnp.dtype(common.compute_dtype(h, w)).itemsize, block_n,
+                      None if chunk_size is None else int(chunk_size))
+  bn, bv, _ = _blocks(h.shape[0], w.shape[1], bn, bv)
   h, w, targets, t = common.vary_all(h, w, targets.astype(jnp.int32), t)
   return _core(h, w, targets, t, bn, bv, bool(with_entropy), interpret)
