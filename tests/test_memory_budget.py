@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl.cli import train as train_cli
-from jaxrl.config import ConfigError, memory, parse_overrides, validate
+from jaxrl.config import ConfigError, memory, out_of_memory, parse_overrides, validate
 from jaxrl.config.mesh import MeshShape
 from jaxrl.config.schema import flatten
 from jaxrl.learner.rl import rl_batch_spec, rl_step_config
@@ -184,12 +184,12 @@ def _resource_exhausted() -> Exception:
 
 def test_out_of_memory_is_recognised_and_named():
   e = _resource_exhausted()
-  assert memory.is_out_of_memory(e)
+  assert out_of_memory.is_out_of_memory(e)
   wrapped = RuntimeError("rollout worker failed")
   wrapped.__cause__ = e
-  assert memory.is_out_of_memory(wrapped)
-  assert not memory.is_out_of_memory(RuntimeError("INVALID_ARGUMENT: bad shape"))
-  assert not memory.is_out_of_memory(KeyError("RESOURCE_EXHAUSTED"))  # a bug, not XLA's
+  assert out_of_memory.is_out_of_memory(wrapped)
+  assert not out_of_memory.is_out_of_memory(RuntimeError("INVALID_ARGUMENT: bad shape"))
+  assert not out_of_memory.is_out_of_memory(KeyError("RESOURCE_EXHAUSTED"))  # a bug, not XLA's
   cfg = _cfg(*SHAPE, "--config.model.remat=none")
   message = train_cli.out_of_memory_message(e, cfg, ONE)
   assert message.startswith("jaxrl: out of memory on cpu: ") and "\n" not in message

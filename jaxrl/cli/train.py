@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 
 from jaxrl import config as config_lib
 from jaxrl.cli import common
-from jaxrl.config import memory
+from jaxrl.config import memory, out_of_memory
 from jaxrl.core.errors import UserError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "default.py")
@@ -234,7 +234,7 @@ def out_of_memory_message(e: BaseException, cfg: ConfigDict,
   """The one `jaxrl: out of memory on <device>: ...` line for XLA's out-of-memory error (or an
   error it caused), with the memory plan's numbers and the keys that lower them; None for any
   other error."""
-  if not memory.is_out_of_memory(e):
+  if not out_of_memory.is_out_of_memory(e):
     return None
   import jax
 
@@ -253,7 +253,7 @@ def out_of_memory_message(e: BaseException, cfg: ConfigDict,
     inputs = memory.inputs_from_config(good, mesh_shape, jax.default_backend(),
                                        jax.process_count())
     plan = None if inputs is None else memory.plan_memory(inputs)
-  return memory.out_of_memory_message(e, plan, name, good)
+  return out_of_memory.out_of_memory_message(e, plan, name, good)
 
 
 def _leave(message: str | None, e: BaseException | None) -> None:

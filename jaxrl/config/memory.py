@@ -17,6 +17,17 @@ and the dispatch's own buffers per layer kept (`dispatch`: the sorted token copi
 the grouped matmuls and the weighted outputs, N k x d_model each in the compute dtype, the
 router's f32 logits and probabilities, N x E each, and three int32 indices per assignment).
 
+On a TPU or GPU (`backend`), XLA:TPU's buffer assignment of the Qwen2.5-0.5B GSM8K recipe's
+programs on v5p-8 (`python -m jaxrl.plan`, its dumped memory-usage report and live ranges) showed
+three things the CPU compiler does not, which the plan counts there:
+- the micro-batch loop keeps its gradient carry twice (the loop's input and output buffers) next
+  to the micro-batch's own gradients: three params-sized gradient trees, not two;
+- the embedding lookup's gradient is a scatter-add into a dense `[vocab, d_model]` buffer per
+  device (in and out: two of them, in the params' dtype, split like the embedding);
+- the sampler's token pick holds about eleven `[rows, vocab]` f32 buffers at its peak (the
+  top-k / top-p filter's sort: values, indices, the sorted copy, cumulative sums and masks), not
+  two (`SAMPLER_VOCAB_BUFFERS`).
+
 `rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
 Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
 
@@ -69,6 +80,10 @@ ACTIVATION_BUFFERS = {
 XLA_BLOCK_K = 256  # the blockwise attention's key block (`jaxrl.kernels.attention.xla`)
 LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_logprob.xla`)
 AUTO_DENSE_MAX_LENGTH = 1024  # `model.attention = "auto"` on CPU: dense up to this row length
+# `[rows, vocab]` f32 buffers of the sampler's token pick at its peak, by platform (module
+# docstring): 2 on CPU (calibrated on CPU compiles), 11 on an accelerator (XLA:TPU, 0.5B recipe on
+# v5p-8: 3.22 GiB of decode temporaries for 512 rows of 151,936 = 11.1 such buffers).
+SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "accelerator": 11}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +126,7 @@ class PlanInputs:
   expert_width: int = 0
   expert_params: int = 0
   expert_shards: int = 1
+  backend: str = "cpu"  # the platform the plan is for: "cpu", "gpu" or "tpu" (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +230,17 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
   copies = 2 if i.lag and i.colocated else 1  # the version sampled and the one just published
   kv = i.kv_rows * i.cache_slots * (
       i.layers * 2 * i.kv_heads * i.head_dim * i.cache_bytes // i.kv_head_shards + 1)
+  accelerator = i.backend in ("gpu", "tpu")
+  # Gradient trees: the micro-batch loop's carry (twice on an accelerator) and a micro-batch's own.
+  trees = 1 if i.microbatches == 1 else (3 if accelerator else 2)
+  # The embedding lookup's dense gradient buffers on an accelerator (module docstring).
+  embed = 2 * i.vocab * i.d_model * i.param_bytes // i.param_shards if accelerator and not lora \
+      else 0
+  vocab_buffers = SAMPLER_VOCAB_BUFFERS["accelerator" if accelerator else "cpu"]
   parts = {
       "params": params,
       "optimizer": 2 * trained,
-      "gradients": trained * (2 if i.microbatches > 1 else 1),
+      "gradients": trained * trees + embed,
       "ref_params": trained if i.ref_params else 0,
       "batches": i.batch_bytes * (i.lag + 1),
       # The optimizer's update (one params-sized tree) runs after the backward pass.
@@ -226,9 +249,9 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
       "rollout_params": copies * i.params * i.rollout_param_bytes // i.rollout_param_shards,
       "kv_cache": kv,
       # Prefill's and decode's temporaries: about one layer's keys and values in flight (x 1.25)
-      # and two [rows, vocab] f32 logits (the larger program, compiled on CPU for 4 shapes:
-      # within 25%, and the sampler's whole peak within 15%).
-      "sampler_temps": kv * 5 // (4 * i.layers) + 2 * i.kv_rows * i.vocab * 4,
+      # and the token pick's [rows, vocab] f32 buffers (`SAMPLER_VOCAB_BUFFERS`; on CPU, compiled
+      # for 4 shapes: within 25%, and the sampler's whole peak within 15%).
+      "sampler_temps": kv * 5 // (4 * i.layers) + vocab_buffers * i.kv_rows * i.vocab * 4,
   }
   train = sum(parts[k] for k in TRAIN_PARTS)
   rollout = sum(parts[k] for k in ROLLOUT_PARTS)
@@ -379,7 +402,8 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       expert_params=n_experts,
       # `parallel.sharding`: the experts' axis over 'fsdp', their width over 'tensor'.
       expert_shards=(mesh.fsdp if e and e % mesh.fsdp == 0 else 1)
-      * (mesh.tensor if f and f % mesh.tensor == 0 else 1))
+      * (mesh.tensor if f and f % mesh.tensor == 0 else 1),
+      backend=backend)
 
 
 def advice(plan: MemoryPlan, good: Mapping[str, Any] | None = None) -> list[str]:
@@ -463,38 +487,3 @@ def device_limit(reported: int | None, environ: Mapping[str, str] = os.environ) 
     except ValueError:
       return reported
   return reported
-
-
-def _out_of_memory_cause(error: BaseException | None) -> BaseException | None:
-  """The innermost error of `error`'s chain (causes, contexts) that is XLA's out-of-memory: a
-  runtime error whose message holds RESOURCE_EXHAUSTED or "out of memory"; None if none is."""
-  found, seen = None, set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    text = str(error)
-    if isinstance(error, RuntimeError) and ("RESOURCE_EXHAUSTED" in text or
-                                            "out of memory" in text.lower()):
-      found = error
-    error = error.__cause__ or error.__context__
-  return found
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` (or what caused it: the rollout thread's failure wraps it) is XLA's
-  out-of-memory."""
-  return _out_of_memory_cause(error) is not None
-
-
-def out_of_memory_message(error: BaseException, plan: MemoryPlan | None, device: str,
-                          good: Mapping[str, Any] | None = None) -> str:
-  """The one `jaxrl: out of memory on <device>: ...` line: XLA's first line, the plan's numbers
-  and the keys that lower them."""
-  error = _out_of_memory_cause(error) or error
-  first = next((line.strip() for line in str(error).splitlines() if line.strip()),
-               type(error).__name__)[:200]
-  if plan is None:
-    return (f"jaxrl: out of memory on {device}: {first}; lower {PREFIX}train.num_microbatches, "
-            f"{PREFIX}model.remat, {PREFIX}rollout.num_prompts or {PREFIX}rollout.lag")
-  lower = ", ".join(PREFIX + k for k in advice(plan, good))
-  return (f"jaxrl: out of memory on {device}: {first}; the memory plan needs {summary(plan)}; "
-          f"lower it with {lower}")
