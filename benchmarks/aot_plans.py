@@ -10,7 +10,7 @@ estimated, none measured.
   PYTHONPATH=. python benchmarks/aot_plans.py --only 0.5b        # one recipe's rows
   PYTHONPATH=. python benchmarks/aot_plans.py --quick            # the default run on v5e-4
   # GPU rows from a venv with the CUDA plugin (pip install -e ".[cuda]"):
-  PYTHONPATH=. python benchmarks/aot_plans.py --gpu-python ~/venv-cuda/bin/python
+  PYTHONPATH=. python benchmarks/aot_plans.py --gpu-python <a venv with the cuda extra>/bin/python
 """
 
 from __future__ import annotations

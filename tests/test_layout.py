@@ -91,7 +91,7 @@ def test_no_import_from_a_higher_layer():
 
 
 def test_the_command_shims_import_only_cli():
-  for shim in ("train", "evaluate", "export", "plot", "serve"):
+  for shim in ("train", "evaluate", "export", "plot", "serve", "plan"):
     assert {_folder(t) for t, _, _ in GRAPH[f"jaxrl.{shim}"]} == {"cli"}, shim
 
 

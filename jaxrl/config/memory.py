@@ -26,7 +26,7 @@ three things the CPU compiler does not, which the plan counts there:
   device (in and out: two of them, in the params' dtype, split like the embedding);
 - the sampler's token pick holds about eleven `[rows, vocab]` f32 buffers at its peak (the
   top-k / top-p filter's sort: values, indices, the sorted copy, cumulative sums and masks), not
-  two (`SAMPLER_VOCAB_BUFFERS`).
+  two; XLA:GPU's compile of the same program holds four (`SAMPLER_VOCAB_BUFFERS`).
 
 `rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
 Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
@@ -81,9 +81,11 @@ XLA_BLOCK_K = 256  # the blockwise attention's key block (`jaxrl.kernels.attenti
 LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_logprob.xla`)
 AUTO_DENSE_MAX_LENGTH = 1024  # `model.attention = "auto"` on CPU: dense up to this row length
 # `[rows, vocab]` f32 buffers of the sampler's token pick at its peak, by platform (module
-# docstring): 2 on CPU (calibrated on CPU compiles), 11 on an accelerator (XLA:TPU, 0.5B recipe on
-# v5p-8: 3.22 GiB of decode temporaries for 512 rows of 151,936 = 11.1 such buffers).
-SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "accelerator": 11}
+# docstring), each from the decode program of the 0.5B recipe (512 rows of 151,936: 0.29 GiB a
+# buffer): 2 on CPU (calibrated on CPU compiles), 11 on TPU (XLA:TPU on v5p-8: 3.22 GiB of
+# temporaries), 4 on GPU (XLA:GPU for an H200 without one: 1.20 GiB; its deviceless compile
+# sorts with XLA's fallback, not CUB's, which a GPU present would pick).
+SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "tpu": 11, "gpu": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
   # The embedding lookup's dense gradient buffers on an accelerator (module docstring).
   embed = 2 * i.vocab * i.d_model * i.param_bytes // i.param_shards if accelerator and not lora \
       else 0
-  vocab_buffers = SAMPLER_VOCAB_BUFFERS["accelerator" if accelerator else "cpu"]
+  vocab_buffers = SAMPLER_VOCAB_BUFFERS.get(i.backend, SAMPLER_VOCAB_BUFFERS["cpu"])
   parts = {
       "params": params,
       "optimizer": 2 * trained,
