@@ -137,13 +137,16 @@ def completion_hidden(model, batch: TrainBatch, group: int = 0,
                                                   **route())
     return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
   cache = KVCache.zeros(model.cfg, b // group, lp + n)
+  # Both passes are differentiated: their layers rematerialise by `model.remat` as the per-row
+  # pass's do (`remat=True`; a cache alone turns it off, for decode and prefill).
   prompt_hidden, cache = model(prompts, left_positions(prompt_valid), prompt_valid, cache=cache,
-                               **kw)
+                               remat=True, **kw)
   stacked = model.cfg.scan_layers  # [L, rows, ...] caches; unrolled: a tuple of [rows, ...]
   per_row = lambda c: rep(c, 1) if stacked else tuple(map(rep, c))
   cache = KVCache(per_row(cache.k), per_row(cache.v), rep(cache.valid))
   positions = continuation_positions(prompt_valid, seen, group)
-  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, **kw, **route())
+  hidden, _ = model(batch.tokens, positions, seen, cache=cache, cache_index=lp, remat=True, **kw,
+                    **route())
   # The prompt's last state predicts completion token 0; completion state j - 1 predicts j.
   return jnp.concatenate([rep(prompt_hidden[:, -1:]), hidden[:, :-1]], axis=1)
 

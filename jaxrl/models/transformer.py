@@ -138,6 +138,7 @@ class Transformer(nnx.Module):
       attend: Callable | None = None,
       routing: jax.Array | None = None,  # [L, B, T, k] int: recorded experts (MoE only), -1: none
       use_routing: bool = True,  # send tokens to `routing` (else only compare it)
+      remat: bool | None = None,  # apply `cfg.remat`; None: only without a cache
   ) -> tuple[jax.Array, KVCache | None]:
     """Returns final hidden states [B, T, D] (after the final norm) and the updated cache.
 
@@ -148,7 +149,11 @@ class Transformer(nnx.Module):
     Without a cache the attention is `cfg.attention`'s (`resolve_attention`); with one,
     always the dense `layers.attention`. `routing` (mixture-of-experts models): every layer's
     recorded experts per token, used instead of the router's own choice (`use_routing`) and
-    compared with it in the router statistics (`moe.moe_mlp`'s replay).
+    compared with it in the router statistics (`moe.moe_mlp`'s replay). `remat`: whether the
+    layers rematerialise by `cfg.remat` when differentiated; None (the default) is without a
+    cache only (training, scoring), so decode and prefill programs stay as they are. The train
+    step's two-pass shared-prompt form differentiates through a cache and passes True (scanned
+    layers; unrolled ones keep none with a cache).
     """
     if cache is not None and attend is not None:
       raise ValueError("attend replaces the attention over the tokens; it takes no cache")
@@ -183,14 +188,18 @@ class Transformer(nnx.Module):
     run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid,
                 routing, use_routing)
 
-    # Rematerialise each layer when differentiated (no cache: training or scoring). Decode and
-    # prefill never take gradients, and their programs stay exactly as they are.
-    policy = REMAT_POLICIES[cfg.remat] if cache is None else None
+    # Rematerialise each layer when differentiated (no cache: training or scoring; with one, the
+    # train step's shared-prompt passes ask for it). Decode and prefill never take gradients,
+    # and their programs stay exactly as they are.
+    policy = REMAT_POLICIES[cfg.remat] if (cache is None if remat is None else remat) else None
     if cfg.scan_layers:
       x, k, v, stats = self._scanned_layers(run, x, cache, cache_index, adapters, policy)
     else:
+      # Unrolled layers keep no rematerialisation with a cache (the shared-prompt passes of a
+      # scanned model do): a rematerialised unrolled layer's gradients differed in the last bits
+      # on a 1x8x1 mesh, and deep models, where it matters, scan.
       x, k, v, stats = self._unrolled_layers(run, x, cache, cache_index, layers, adapters,
-                                             policy)
+                                             None if cache is not None else policy)
     if stats is not None:
       # A mixture-of-experts model's routing, per layer, appended for `moe.pop_router_stats`.
       # A model merged outside the loop that calls it (the sampler's decode) cannot record;
@@ -253,7 +262,7 @@ class Transformer(nnx.Module):
     if run.routing is not None:
       stacked["replay"] = run.routing  # sliced per layer by the scan, like the weights
     dense = None
-    if cache is not None and streams_weights(run.length):
+    if cache is not None and streams_weights(run.length) and policy is None:
       big = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(stacked)
       big_w = {n: stacked.pop(n) for n in big}
       big_w = {n: w.reshape(w.shape[0], -1, w.shape[-1]) if n == "wo"
@@ -278,7 +287,23 @@ class Transformer(nnx.Module):
       h, stats = _block(run, h, p, kv, layer_dense, lora, key)
       return (h, out.get("k", k_cache), out.get("v", v_cache)), stats
 
-    if policy is not None:
+    if policy is not None and cache is not None:
+      # Differentiated through a cache (the train step's shared-prompt passes): only the layer
+      # is rematerialised, with its slice of the carried cache as an input and its updated
+      # slice as an output, written back outside. Checkpointing the whole body would save the
+      # whole carried [L, ...] cache at every layer.
+      def body(carry, xs):
+        h, k_cache, v_cache = carry
+        p, lora, i = xs
+        key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
+        layer = lambda h, p, lo, ck, cv: _cached_block(run, h, p, lo, ck, cv, cache_index,
+                                                       key=key)
+        (h, k_i, v_i), stats = jax.checkpoint(layer, policy=policy, prevent_cse=False)(
+            h, p, lora, jax.lax.dynamic_index_in_dim(k_cache, i, keepdims=False),
+            jax.lax.dynamic_index_in_dim(v_cache, i, keepdims=False))
+        return (h, jax.lax.dynamic_update_index_in_dim(k_cache, k_i, i, 0),
+                jax.lax.dynamic_update_index_in_dim(v_cache, v_i, i, 0)), stats
+    elif policy is not None:
       # prevent_cse=False, as JAX advises under scan: the loop already keeps XLA from merging
       # the recomputation back into the forward pass, and the barriers would only cost.
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -431,6 +456,21 @@ def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
   else:
     o = _cache_attention(run, q, k, v, kv)
   return _mlp(run, h, p, o, dense)
+
+
+def _cached_block(run: _Pass, h, p, lora, k_cache, v_cache, cache_index, key=None):
+  """`_block` over one layer's cache arrays k [B, K, Dh, S], v [B, K, S, Dh]: ((hidden, updated
+  keys, updated values), router statistics or None); the form a rematerialised layer with a
+  cache takes (`Transformer.__call__`'s `remat`)."""
+  out = {}
+
+  def kv(k, v):
+    out["k"] = write_cache(k_cache, k, (0, 0, 0, cache_index))
+    out["v"] = write_cache(v_cache, v, (0, 0, cache_index, 0))
+    return out["k"], out["v"]
+
+  h, stats = _block(run, h, p, kv, lora=lora, key=key)
+  return (h, out["k"], out["v"]), stats
 
 
 def _cache_attention(run: _Pass, q, k, v, kv):
