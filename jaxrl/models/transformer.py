@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
 
 import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.kernels.decode_attention import decode_attention as decode_kernel
+from jaxrl.models.block import Pass, block, cached_block
 from jaxrl.models.layers import (KERNEL_OF, attention, attention_mask, config_inv_freq,
-                                 decode_attention, embed_lookup, kernel_attend, lora_dense,
-                                 lora_dims, matmul_rows, project_qkv, rms_norm, rope_tables,
+                                 embed_lookup, kernel_attend, lora_dims, rms_norm, rope_tables,
                                  stacked_lora, streamed_matmul, streams_weights, write_cache)
 from jaxrl.models.logprobs import continuation_positions, left_positions
 from jaxrl.models.model_config import (DTYPES, REMAT_POLICIES, KVCache, ModelConfig,
-                                       resolve_attention, resolve_decode_attention)
-from jaxrl.models.moe import expert_shapes, moe_mlp
+                                       resolve_attention)
+from jaxrl.models.moe import expert_shapes
 from jaxrl.parallel.sharding import constrain_kv_cache, constrain_rows
 
 
@@ -185,7 +183,7 @@ class Transformer(nnx.Module):
     # Single-token decode reads slots up to its own (the mask's causal bound) and no further.
     filled = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + T, (B,)) \
         if cache is not None and T == 1 else None
-    run = _Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid,
+    run = Pass(cfg, B, T, cos, sin, mask, attend, dropout, lora_dropout_key, filled, valid,
                 routing, use_routing)
 
     # Rematerialise each layer when differentiated (no cache: training or scoring; with one, the
@@ -215,7 +213,7 @@ class Transformer(nnx.Module):
       new_cache = constrain_kv_cache(KVCache(k, v, key_valid))
     return rms_norm(x, self.final_norm[...].astype(dt), cfg.rms_eps), new_cache
 
-  def _unrolled_layers(self, run: _Pass, x: jax.Array, cache: KVCache | None,
+  def _unrolled_layers(self, run: Pass, x: jax.Array, cache: KVCache | None,
                        cache_index: jax.Array | int, layers: tuple[dict, ...] | None,
                        adapters: dict, policy) -> tuple[jax.Array, tuple, tuple, object]:
     """The layers as a Python loop over per-layer weights: (hidden, new keys, new values, router
@@ -240,16 +238,16 @@ class Transformer(nnx.Module):
       p_i = layers[i] if run.routing is None else {**layers[i], "replay": run.routing[i]}
       key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
       if policy is None:
-        x, st = _block(run, x, p_i, kv, lora=lora, key=key)
+        x, st = block(run, x, p_i, kv, lora=lora, key=key)
       else:
         x, st = jax.checkpoint(
-            lambda h, p, lo, kv=kv, key=key: _block(run, h, p, kv, lora=lo, key=key),
+            lambda h, p, lo, kv=kv, key=key: block(run, h, p, kv, lora=lo, key=key),
             policy=policy)(x, p_i, lora)
       stats.append(st)
     stacked = None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
     return x, tuple(ks), tuple(vs), stacked
 
-  def _scanned_layers(self, run: _Pass, x: jax.Array, cache: KVCache | None,
+  def _scanned_layers(self, run: Pass, x: jax.Array, cache: KVCache | None,
                       cache_index: jax.Array | int, adapters: dict, policy
                       ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, object]:
     """The layers as one `lax.scan` over the stacked weights: (hidden, new keys, new values,
@@ -284,7 +282,7 @@ class Transformer(nnx.Module):
                 jax.lax.dynamic_index_in_dim(out["v"], i, keepdims=False))
 
       key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
-      h, stats = _block(run, h, p, kv, layer_dense, lora, key)
+      h, stats = block(run, h, p, kv, layer_dense, lora, key)
       return (h, out.get("k", k_cache), out.get("v", v_cache)), stats
 
     if policy is not None and cache is not None:
@@ -296,7 +294,7 @@ class Transformer(nnx.Module):
         h, k_cache, v_cache = carry
         p, lora, i = xs
         key = None if not run.dropout else jax.random.fold_in(run.dropout_key, i)
-        layer = lambda h, p, lo, ck, cv: _cached_block(run, h, p, lo, ck, cv, cache_index,
+        layer = lambda h, p, lo, ck, cv: cached_block(run, h, p, lo, ck, cv, cache_index,
                                                        key=key)
         (h, k_i, v_i), stats = jax.checkpoint(layer, policy=policy, prevent_cse=False)(
             h, p, lora, jax.lax.dynamic_index_in_dim(k_cache, i, keepdims=False),
@@ -418,97 +416,6 @@ class Transformer(nnx.Module):
     """float32 logits [..., V]."""
     w = self.unembedding().astype(hidden.dtype)
     return jnp.einsum("...d,dv->...v", hidden, w).astype(jnp.float32)
-
-
-class _Pass(NamedTuple):
-  """What every layer of one forward pass shares."""
-
-  cfg: ModelConfig
-  rows: int  # B
-  length: int  # T: tokens per row in this call
-  cos: jax.Array  # rotary tables of `rope_tables`, float32 [B, T, 1, Dh]
-  sin: jax.Array
-  mask: jax.Array  # [B, 1, 1, T, S] bool: which slots each token attends to
-  attend: Callable | None  # replaces the attention over the tokens (`Transformer.__call__`)
-  dropout: float  # LoRA dropout rate, 0 unless a dropout key was given
-  dropout_key: jax.Array | None
-  filled: jax.Array | None = None  # [B] int: decode's slots in use (`cache_index + 1`)
-  valid: jax.Array | None = None  # [B, T] bool: real tokens (counted in router statistics)
-  routing: jax.Array | None = None  # [L, B, T, k]: experts to replay (`moe.moe_mlp`)
-  use_routing: bool = True  # replay them (else only compare them with the router's own)
-
-
-def _block(run: _Pass, h, p, kv, dense=None, lora=None, key=None):
-  """One decoder layer: (hidden, router statistics or None for a dense MLP). `kv(k, v)` stores
-  the new keys/values and returns all of them; `dense(x, name)` multiplies by weight `name`
-  (default: `p[name]`); `lora`: this layer's adapters (target -> (A, B)), added to the
-  projections they adapt (`key`: dropout)."""
-  dense = dense or (lambda x, name: matmul_rows(x, p[name]))
-  if lora:
-    dense = lora_dense(dense, lora, run.cfg, run.dropout, key)
-  # Under a training mesh, rows stay split over the batch axes through the layer (see
-  # `constrain_rows`): the residual stream with d_model whole, intermediates row-split with
-  # their other dims left to XLA.
-  h = constrain_rows(h)
-  q, k, v = project_qkv(run, h, p, dense)
-  if run.attend is not None:
-    o = run.attend(q, k, v)
-  else:
-    o = _cache_attention(run, q, k, v, kv)
-  return _mlp(run, h, p, o, dense)
-
-
-def _cached_block(run: _Pass, h, p, lora, k_cache, v_cache, cache_index, key=None):
-  """`_block` over one layer's cache arrays k [B, K, Dh, S], v [B, K, S, Dh]: ((hidden, updated
-  keys, updated values), router statistics or None); the form a rematerialised layer with a
-  cache takes (`Transformer.__call__`'s `remat`)."""
-  out = {}
-
-  def kv(k, v):
-    out["k"] = write_cache(k_cache, k, (0, 0, 0, cache_index))
-    out["v"] = write_cache(v_cache, v, (0, 0, cache_index, 0))
-    return out["k"], out["v"]
-
-  h, stats = _block(run, h, p, kv, lora=lora, key=key)
-  return (h, out["k"], out["v"]), stats
-
-
-def _cache_attention(run: _Pass, q, k, v, kv):
-  """Causal attention of q [B, T, H, Dh] over the keys and values `kv` returns once it has
-  stored k, v [B, T, K, Dh]: [B, T, H, Dh] in the compute dtype."""
-  cfg, B, T = run.cfg, run.rows, run.length
-  dt = DTYPES[cfg.dtype]
-  K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-  scale = cfg.head_dim ** -0.5
-  k_all, v_all = kv(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,Dh,S], [B,K,S,Dh]
-  qg = q.reshape(B, T, K, G, cfg.head_dim)
-  if T == 1:
-    impl = resolve_decode_attention(cfg.decode_attention)
-    if impl == "dense":
-      o = decode_attention(qg[:, 0], k_all, v_all, run.mask, scale, dt)
-    else:  # the mask's [B, S] row (valid and causal) with the fill bound for skipping blocks
-      o = decode_kernel(qg[:, 0], k_all, v_all, run.mask[:, 0, 0, 0, :], run.filled,
-                        scale=scale, implementation=impl, out_dtype=dt)
-    return o.reshape(B, 1, cfg.num_heads, cfg.head_dim)
-  o = attention(qg.transpose(0, 2, 3, 1, 4), k_all.astype(dt), v_all.astype(dt), run.mask, scale)
-  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, cfg.num_heads, cfg.head_dim)
-
-
-def _mlp(run: _Pass, h, p, o, dense):
-  """The rest of a layer after attention: output projection, residual, MLP (dense, or the
-  experts': `moe.moe_mlp`). Returns (hidden, router statistics or None)."""
-  cfg = run.cfg
-  rows = lambda x: constrain_rows(x, jax.sharding.PartitionSpec.UNCONSTRAINED)
-  h = constrain_rows(h + rows(dense(rows(o.reshape(run.rows, run.length, -1)), "wo")))
-  m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-  if cfg.num_experts:
-    y, stats = moe_mlp(m, p, cfg, run.valid, p.get("replay"), run.use_routing)
-    return constrain_rows(h + rows(y)), stats
-  if "w_gate_up" in p:
-    gate, up = jnp.split(dense(m, "w_gate_up"), 2, axis=-1)
-  else:
-    gate, up = dense(m, "w_gate"), dense(m, "w_up")
-  return constrain_rows(h + rows(dense(rows(jax.nn.silu(gate) * up), "w_down"))), None
 
 
 def init_model(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:
