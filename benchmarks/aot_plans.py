@@ -31,7 +31,7 @@ MATRIX = [
     ("0.5b", "configs/qwen2_5_0_5b_gsm8k.py", ["v5e-4", "v5p-8", "h100-1", "h200-1"]),
     ("0.5b-lora", "configs/qwen2_5_0_5b_gsm8k_lora.py", ["v5e-4", "h100-1"]),
     ("1b", "configs/llama3_2_1b_gsm8k.py", ["v5e-8", "v5p-8", "h100-1"]),
-    ("7b", "configs/qwen2_5_7b_gsm8k.py", ["v5p-32", "v6e-16", "h100-8"]),
+    ("7b", "configs/qwen2_5_7b_gsm8k.py", ["v5p-16", "v5p-32", "h100-8"]),
     ("30b-a3b", "configs/qwen3_30b_a3b_plan.py", ["v5p-64", "v6e-64", "h200-8"]),
 ]
 
@@ -57,7 +57,7 @@ def run_plan(recipe: str, target: str, python: str, extra: list[str]) -> dict:
 
 def row(r: dict) -> str:
   if "plan" not in r:
-    return f"| {r['recipe']} | {r['target']} | not planned: {r['error']} | | | | | | |"
+    return f"| {r['recipe']} | {r['target']} | not planned: {r['error']} | | | | | | | |"
   p = r["plan"]
   peak, usable = p["peak"]["total"], p["target"]["usable_bytes"]
   e = p["estimates"]
@@ -70,14 +70,18 @@ def row(r: dict) -> str:
   compile_s = sum(c["compile_s"] for c in p["programs"].values())
   refused = [n for n, c in p["programs"].items() if c["error"]]
   fits = ("yes" if p["fits"] else "**no**") + (f" (refused: {', '.join(refused)})" if refused else "")
+  mp = p.get("memory_plan") or {}
+  ratios = " / ".join(f"{mp[k]['ratio']:.2f}" if k in mp else "-"
+                      for k in ("train_step", "sampler", "total"))
   return (f"| {r['recipe']} | {r['target']} | {fits} | {peak / GIB:.1f} / {usable / GIB:.1f} GiB "
-          f"({1 - peak / usable:.0%}) | {step} | {decode} | {coll} | "
+          f"({1 - peak / usable:.0%}) | {step} | {decode} | {coll} | {ratios} | "
           f"{compile_s:.0f} s |")
 
 
 HEADER = ("| recipe | target | fits | peak / usable per chip (headroom) | est. train step (at "
           "the bf16 peak) | est. decode tok/s: roofline (XLA:TPU) | train-step collectives (ops) | "
-          "compile (2 CPU cores) |\n|---|---|---|---|---|---|---|---|")
+          "memory plan / compiled: train, sampler, peak | compile (2 CPU cores) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
@@ -89,7 +93,21 @@ def main() -> None:
                   help="the python of a venv with the CUDA plugin, for the h100/h200 rows")
   ap.add_argument("--quick", action="store_true", help="the default run on v5e-4 only")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--table-from", default=None,
+                  help="print the table of plans already made: a JSON file this script wrote "
+                       "with --out, or `python -m jaxrl.plan --json` outputs (comma list)")
   args, extra = ap.parse_known_args()
+  if args.table_from:
+    print(HEADER)
+    for path in args.table_from.split(","):
+      with open(path) as f:
+        text = f.read()
+      found = json.loads(text) if text.lstrip().startswith("[") else [
+          {"recipe": (p := json.loads(ln))["config"], "target": p["target"]["name"], "plan": p}
+          for ln in text.splitlines() if ln.startswith("{")]
+      for r in found:
+        print(row(r))
+    return
   only = {s for s in args.only.split(",") if s}
   keep = {s for s in args.targets.split(",") if s}
   matrix = MATRIX[:1] if args.quick else MATRIX

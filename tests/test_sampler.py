@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model_config
 from jaxrl.models import init_model
-from jaxrl.rollout.static_sampler import filter_logits, make_sampler
+from jaxrl.rollout.static_sampler import FILTER_ROWS, filter_logits, make_sampler
 from jaxrl.learner.step import StepConfig, completion_logprobs
 from jaxrl.core.types import TrainBatch
 
@@ -104,6 +104,19 @@ def test_filter_logits_keeps_the_nucleus():
   np.testing.assert_array_equal(keep(0, 0.8), [1, 1, 0, 0])
   np.testing.assert_array_equal(keep(0, 0.81), [1, 1, 1, 0])
   np.testing.assert_array_equal(keep(1, 0.99), [1, 0, 0, 0])
+
+
+def test_filter_logits_by_row_blocks_is_each_rows_own():
+  # 3 blocks of FILTER_ROWS rows, sorted a block at a time, against each row filtered alone; a
+  # filter that mixed rows (a block's threshold, a shifted reshape) would differ.
+  rows = 3 * FILTER_ROWS
+  z = jax.random.normal(jax.random.key(0), (rows, 50)) * 3
+  for k, p in ((0, 0.9), (5, 1.0), (7, 0.6)):
+    blocks = np.asarray(filter_logits(z, jnp.int32(k), jnp.float32(p)))
+    alone = np.stack([np.asarray(filter_logits(z[i:i + 1], jnp.int32(k), jnp.float32(p)))[0]
+                      for i in range(rows)])
+    np.testing.assert_array_equal(blocks, alone)
+    assert 0 < np.isfinite(blocks).mean() < 1
 
 
 def test_changing_temperature_top_k_top_p_does_not_recompile(setup):

@@ -79,7 +79,7 @@ def make_plan(cfg, target: Target, mesh_shape, devices, only=(), progress=print)
   for p in built.programs:
     progress(f"jaxrl | compiling {p.name} for {target.name} ({p.what}) ...")
     compiled[p.name] = report.compile_program(p, progress)
-  colocated = built.rollout_mesh is built.mesh
+  colocated = built.colocated
   lag = lag_bound(cfg.rollout)  # `lag=auto`: its bound, the most a run may hold
   peak = report.live_peak(compiled, built, lag, colocated)
   fits, lines = report.verdict(compiled, peak, target, cfg)

@@ -66,6 +66,7 @@ class Built:
   rollout_cfg: ModelConfig
   mesh: jax.sharding.Mesh
   rollout_mesh: jax.sharding.Mesh
+  colocated: bool  # the rollout on the train chips (the train mesh, or each host's own of them)
   params: int  # the model's parameters
   rollout_param_bytes: int  # one published copy, per device of the rollout mesh
   batch_bytes: int  # one train batch, per device of the train mesh
@@ -131,14 +132,22 @@ def per_device_bytes(tree) -> int:
   return total
 
 
-def _meshes(mesh_shape: config_lib.MeshShape, devices: Sequence):
+def _meshes(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence):
+  """(train mesh, rollout mesh, whether each process generates its own share). On several
+  processes (hosts) a colocated run generates on each process's own devices
+  (`parallel.distributed.local_mesh`, as `pipeline.producer.split_by_process` lays it out when
+  each process gets whole groups); the plan compiles process 0's, whose programs are every
+  process's."""
   mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
                             list(devices[:mesh_shape.train_devices or len(devices)]))
-  if not mesh_shape.disaggregated:
-    return mesh, mesh
-  first = mesh_shape.train_devices
-  return mesh, parallel.make_mesh(*mesh_shape.rollout_shape,
-                                  list(devices[first:first + mesh_shape.rollout_devices]))
+  if mesh_shape.disaggregated:
+    first = mesh_shape.train_devices
+    return mesh, parallel.make_mesh(*mesh_shape.rollout_shape,
+                                    list(devices[first:first + mesh_shape.rollout_devices])), False
+  hosts = len({d.process_index for d in devices})
+  if hosts > 1 and cfg.rollout.num_prompts % hosts == 0:
+    return mesh, parallel.distributed.local_mesh(mesh, mesh_shape.rollout_tensor), True
+  return mesh, mesh, False
 
 
 def _sampler_programs(prefix: str, graphdef, params, mesh, rows: int, samples: int,
@@ -182,7 +191,7 @@ def build_programs(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence,
   `vocab`: the tokenizer's size where `model.vocab_size` is 0. `only`: program names to keep
   (empty: all)."""
   with platform.building_for(devices):
-    mesh, rollout_mesh = _meshes(mesh_shape, devices)
+    mesh, rollout_mesh, per_process = _meshes(cfg, mesh_shape, devices)
     model_cfg = model_config(cfg, vocab)
     graphdef, abstract = abstract_model(model_cfg)
     params = _spec(abstract, parallel.param_shardings(abstract, mesh))
@@ -214,23 +223,42 @@ def build_programs(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence,
          f", {config_lib.run_microbatches(cfg, mesh.shape['data'] * mesh.shape['fsdp'])} "
          "micro-batch(es)") + (", LoRA adapters" if lora else ""))]
   not_built = []
+  dtype = rollout_dtype(cfg)
+  leaves = jax.tree.leaves(params)
   if rollout_mesh is mesh:
-    dtype = rollout_dtype(cfg)
-    leaves = jax.tree.leaves(params)
     shardings = tuple(x.sharding for x in leaves)
     programs.append(Program(
         "publish", "rollout",
         within(lambda: cast_program(shardings, dtype).lower(list(leaves))),
         f"publish a version: the sampler's copy in {dtype or model_cfg.param_dtype}"))
+  elif per_process:
+    # `ProcessShare.publish`: the cast on the train mesh (a narrower dtype first), then one
+    # global copy onto every process's rollout devices (`publish_local`).
+    stacked = parallel.distributed.every_local_mesh(
+        mesh, rollout_mesh.shape["tensor"], len({d.process_index for d in devices}))
+    onto = tuple(jax.tree.leaves(parallel.param_shardings(r_abstract, stacked)))
+    r_leaves = [jax.ShapeDtypeStruct(x.shape, y.dtype, sharding=x.sharding)
+                for x, y in zip(leaves, jax.tree.leaves(r_abstract))]
+    programs.append(Program(
+        "publish", "rollout",
+        within(lambda: jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                               out_shardings=list(onto)).lower(r_leaves)),
+        f"publish a version: every host's copy on its own chips, in "
+        f"{dtype or model_cfg.param_dtype}"))
   else:
     not_built.append("publish (a reshard onto the rollout devices)")
+  hosts = len({d.process_index for d in devices}) if per_process else 1
   with platform.building_for(devices):
     programs += [dataclasses.replace(p, lower=within(p.lower)) for p in _sampler_programs(
-        "", r_graphdef, r_params, rollout_mesh, r.num_prompts, r.group_size, lp,
+        "", r_graphdef, r_params, rollout_mesh, r.num_prompts // hosts, r.group_size, lp,
         new, eos, pad)]
     if cfg.val.every:
+      # Validation generates inline on the train mesh when it spans processes
+      # (`rollout.samplers.build_samplers`).
+      v_mesh = mesh if per_process else rollout_mesh
+      v_params = _spec(r_abstract, parallel.param_shardings(r_abstract, v_mesh))
       programs += [dataclasses.replace(p, lower=within(p.lower)) for p in _sampler_programs(
-          "val_", r_graphdef, r_params, rollout_mesh, cfg.val.batch_size,
+          "val_", r_graphdef, v_params, v_mesh, cfg.val.batch_size,
           cfg.val.samples_per_prompt, lp, new, eos, pad)]
   if r.engine == "continuous":
     not_built.append("the continuous engine's programs (planned as the static sampler's)")
@@ -239,5 +267,6 @@ def build_programs(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence,
   if only:
     programs = [p for p in programs if p.name in only]
   count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
-  return Built(programs, model_cfg, rollout_cfg, mesh, rollout_mesh, count,
+  return Built(programs, model_cfg, rollout_cfg, mesh, rollout_mesh,
+               not mesh_shape.disaggregated, count,
                per_device_bytes(r_params), batch_bytes, tuple(not_built))

@@ -380,6 +380,13 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       compute_b if rollout == "auto" else DTYPE_BYTES[rollout])
   colocated = not mesh.disaggregated
   r_data, _, r_tensor = (mesh.data, mesh.fsdp, mesh.tensor) if colocated else mesh.rollout_shape
+  # On several processes a colocated run generates each process's share on its own devices
+  # (`parallel.distributed.local_mesh`): rows over them, params whole on each or split over
+  # `mesh.rollout_tensor` of them.
+  per_process = colocated and num_processes > 1
+  if per_process:
+    r_tensor = max(mesh.rollout_tensor, 1)
+    r_data = max(mesh.size // num_processes // r_tensor, 1)
   share_rows = -(-rows // max(num_processes, 1))
   slots = good["rollout.engine_slots"] if good["rollout.engine"] == "continuous" else 0
   kv_rows = -(-(slots or share_rows) // r_data)
@@ -398,7 +405,8 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
                                         "max_lag": good.get("rollout.max_lag", 0)}),
       colocated=colocated,
       param_shards=mesh.fsdp * mesh.tensor,
-      rollout_param_shards=mesh.fsdp * mesh.tensor if colocated else r_tensor,
+      rollout_param_shards=mesh.fsdp * mesh.tensor if colocated and not per_process
+      else r_tensor,
       ref_params=good["ref_kl.coef"] != 0,
       experts=e, experts_per_tok=k if e else 0, expert_width=f if e else 0,
       expert_params=n_experts,

@@ -406,11 +406,14 @@ def local_mesh(mesh: Mesh, tensor: int = 1) -> Mesh:
   return Mesh(_process_devices(mesh, jax.process_index(), tensor), mesh.axis_names)
 
 
-def every_local_mesh(mesh: Mesh, tensor: int = 1) -> Mesh:
+def every_local_mesh(mesh: Mesh, tensor: int = 1, processes: int | None = None) -> Mesh:
   """Every process's `local_mesh`, stacked along 'data' in process order: one global mesh whose
-  rows are the processes' rollout meshes, which `publish_local` copies params onto."""
-  return Mesh(np.concatenate([_process_devices(mesh, q, tensor)
-                              for q in range(jax.process_count())]), mesh.axis_names)
+  rows are the processes' rollout meshes, which `publish_local` copies params onto. `processes`:
+  how many (None: `jax.process_count()`; a plan compiling for another slice's hosts names its
+  own, `jaxrl.aot`)."""
+  n = jax.process_count() if processes is None else processes
+  return Mesh(np.concatenate([_process_devices(mesh, q, tensor) for q in range(n)]),
+              mesh.axis_names)
 
 
 @functools.lru_cache(maxsize=32)
