@@ -24,9 +24,10 @@ three things the CPU compiler does not, which the plan counts there:
   to the micro-batch's own gradients: three params-sized gradient trees, not two;
 - the embedding lookup's gradient is a scatter-add into a dense `[vocab, d_model]` buffer per
   device (in and out: two of them, in the params' dtype, split like the embedding);
-- the sampler's token pick holds about eleven `[rows, vocab]` f32 buffers at its peak (the
-  top-k / top-p filter's sort: values, indices, the sorted copy, cumulative sums and masks), not
-  two; XLA:GPU's compile of the same program holds four (`SAMPLER_VOCAB_BUFFERS`).
+- the sampler's token pick held about eleven `[rows, vocab]` f32 buffers at its peak (the
+  top-k / top-p filter's sort over the whole batch: values, indices, the sorted copy,
+  cumulative sums and masks), not two; sorted 64 rows at a time (`filter_logits`) it holds about
+  five, and XLA:GPU's compile about four (`SAMPLER_VOCAB_BUFFERS`).
 
 `rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
 Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
@@ -82,10 +83,11 @@ LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_lo
 AUTO_DENSE_MAX_LENGTH = 1024  # `model.attention = "auto"` on CPU: dense up to this row length
 # `[rows, vocab]` f32 buffers of the sampler's token pick at its peak, by platform (module
 # docstring), each from the decode program of the 0.5B recipe (512 rows of 151,936: 0.29 GiB a
-# buffer): 2 on CPU (calibrated on CPU compiles), 11 on TPU (XLA:TPU on v5p-8: 3.22 GiB of
-# temporaries), 4 on GPU (XLA:GPU for an H200 without one: 1.20 GiB; its deviceless compile
-# sorts with XLA's fallback, not CUB's, which a GPU present would pick).
-SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "tpu": 11, "gpu": 4}
+# buffer): 2 on CPU (calibrated on CPU compiles); 5 on TPU (XLA:TPU on v5e-4: 1.48 GiB of
+# temporaries once `filter_logits` sorts 64 rows at a time; 3.22 GiB, 11 buffers, before); 4 on
+# GPU (XLA:GPU for an H200 without one: 1.20 GiB; its deviceless compile sorts with XLA's
+# fallback, not CUB's, which a GPU present would pick).
+SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "tpu": 5, "gpu": 4}
 
 
 @dataclasses.dataclass(frozen=True)
