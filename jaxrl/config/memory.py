@@ -81,11 +81,9 @@ ACTIVATION_BUFFERS = {
 XLA_BLOCK_K = 256  # the blockwise attention's key block (`jaxrl.kernels.attention.xla`)
 LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_logprob.xla`)
 AUTO_DENSE_MAX_LENGTH = 1024  # `model.attention = "auto"` on CPU: dense up to this row length
-# `[rows, vocab]` f32 buffers of the sampler's token pick at its peak, by platform (module
-# docstring), each from the decode program of the 0.5B recipe (512 rows of 151,936: 0.29 GiB a
-# buffer): 2 on CPU (calibrated on CPU compiles); 5 on TPU (XLA:TPU on v5e-4: 1.48 GiB of
-# temporaries once `filter_logits` sorts 64 rows at a time; 3.22 GiB, 11 buffers, before); 4 on
-# GPU (XLA:GPU for an H200 without one: 1.20 GiB; its deviceless compile sorts with XLA's
+# `[rows, vocab]` f32 buffers of the sampler's token pick at its peak (module docstring), from
+# the 0.5B recipe's decode (512 rows of 151,936, 0.29 GiB a buffer): CPU as calibrated there;
+# XLA:TPU on v5e-4 1.48 GiB; XLA:GPU for an H200 1.20 GiB (a deviceless compile sorts with XLA's
 # fallback, not CUB's, which a GPU present would pick).
 SAMPLER_VOCAB_BUFFERS = {"cpu": 2, "tpu": 5, "gpu": 4}
 
