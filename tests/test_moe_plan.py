@@ -19,6 +19,7 @@ def _inputs(cfg, devices: int = 8):
 def _recipe(fsdp: int = 8):
   cfg = qwen3_30b_a3b_plan.get_config()
   cfg.mesh.fsdp = fsdp
+  cfg.mesh.rollout_tensor = 1  # one process here: the recipe's 4 is each host's of a slice
   return cfg
 
 

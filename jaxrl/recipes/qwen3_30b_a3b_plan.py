@@ -4,10 +4,16 @@ weights: a recipe for planning, not for training (docs/moe.md). `--print_config`
 plan per device without any weights on disk, e.g. over 8 devices, the experts split over them:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxrl.train \\
-      --config configs/qwen3_30b_a3b_plan.py --config.mesh.fsdp=8 --print_config
+      --config configs/qwen3_30b_a3b_plan.py --config.mesh.fsdp=8 \\
+      --config.mesh.rollout_tensor=1 --print_config
 
 For a real run, name the checkpoint instead (`model.hf_path`: its config.json then sets these
 keys) and a task of its own, as `qwen2_5_0_5b_gsm8k` does.
+
+Laid out for slices of several hosts, where `python -m jaxrl.plan` compiles it (docs/plan.md):
+params, Adam's moments and gradients over every chip ('fsdp' = -1: f32 master weights are 16
+bytes a parameter, 488 GB in all), and each host's sampler on its own chips with a bf16 copy of
+the model split over 4 of them (`mesh.rollout_tensor`: 61 GB whole, 15 GB a chip).
 """
 
 from jaxrl.recipes import default
@@ -44,4 +50,7 @@ def get_config():
   c.train.microbatch_tokens = 8192
   c.val.batch_size = 64
   c.moe.routing_replay = "rollout"
+  c.mesh.fsdp = -1
+  c.mesh.rollout_tensor = 4
+  c.rollout.dtype = "bfloat16"
   return c
