@@ -61,7 +61,7 @@ def row(r: dict) -> str:
   p = r["plan"]
   peak, usable = p["peak"]["total"], p["target"]["usable_bytes"]
   e = p["estimates"]
-  step = f">= {e['train_step_s']:.2f} s"
+  step = f">= {seconds(e['train_step_s'])}"
   decode = f"{e['decode_tokens_per_s']:,.0f}" + (
       f" ({e['decode_compiler_tokens_per_s']:,.0f})" if e.get("decode_compiler_tokens_per_s")
       else "")
@@ -73,9 +73,14 @@ def row(r: dict) -> str:
   mp = p.get("memory_plan") or {}
   ratios = " / ".join(f"{mp[k]['ratio']:.2f}" if k in mp else "-"
                       for k in ("train_step", "sampler", "total"))
-  return (f"| {r['recipe']} | {r['target']} | {fits} | {peak / GIB:.1f} / {usable / GIB:.1f} GiB "
+  size = f"{peak / GIB:.1f}" if peak >= GIB / 10 else f"{peak / (1 << 20):.1f} MiB"
+  return (f"| {r['recipe']} | {r['target']} | {fits} | {size} / {usable / GIB:.1f} GiB "
           f"({1 - peak / usable:.0%}) | {step} | {decode} | {coll} | {ratios} | "
           f"{compile_s:.0f} s |")
+
+
+def seconds(s: float) -> str:
+  return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
 HEADER = ("| recipe | target | fits | peak / usable per chip (headroom) | est. train step (at "
