@@ -18,7 +18,7 @@ import time
 
 from jaxrl import config as config_lib
 from jaxrl.aot import programs as programs_lib
-from jaxrl.aot import report
+from jaxrl.aot import report, targets
 from jaxrl.aot.targets import Target, TargetError
 from jaxrl.config import memory
 from jaxrl.config.schema import PREFIX, flatten
@@ -74,7 +74,9 @@ def make_plan(cfg, target: Target, mesh_shape, devices, only=(), progress=print)
   (`render` shows it; it is also the `--json` output)."""
   t0 = time.perf_counter()
   vocab = _vocab(cfg)
-  built = programs_lib.build_programs(cfg, mesh_shape, devices, vocab, only)
+  host = targets.host_target(target)
+  host_devices = None if host is target else targets.devices(host)
+  built = programs_lib.build_programs(cfg, mesh_shape, devices, vocab, only, host_devices)
   compiled = {}
   for p in built.programs:
     progress(f"jaxrl | compiling {p.name} for {target.name} ({p.what}) ...")

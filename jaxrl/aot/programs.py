@@ -132,12 +132,14 @@ def per_device_bytes(tree) -> int:
   return total
 
 
-def _meshes(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence):
+def _meshes(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence, host_devices=None):
   """(train mesh, rollout mesh, whether each process generates its own share). On several
   processes (hosts) a colocated run generates on each process's own devices
   (`parallel.distributed.local_mesh`, as `pipeline.producer.split_by_process` lays it out when
-  each process gets whole groups); the plan compiles process 0's, whose programs are every
-  process's."""
+  each process gets whole groups); the plan compiles one host's programs for `host_devices`
+  (one host's slice, `targets.host_target`: a host's device ids within the whole slice are not
+  a program's own 0..n-1, which XLA:TPU's deviceless compile refuses for collectives), laid out
+  as `local_mesh` lays a process's devices out."""
   mesh = parallel.make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
                             list(devices[:mesh_shape.train_devices or len(devices)]))
   if mesh_shape.disaggregated:
@@ -146,7 +148,11 @@ def _meshes(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence):
                                     list(devices[first:first + mesh_shape.rollout_devices])), False
   hosts = len({d.process_index for d in devices})
   if hosts > 1 and cfg.rollout.num_prompts % hosts == 0:
-    return mesh, parallel.distributed.local_mesh(mesh, mesh_shape.rollout_tensor), True
+    if host_devices is None:
+      return mesh, parallel.distributed.local_mesh(mesh, mesh_shape.rollout_tensor), True
+    rt = mesh_shape.rollout_tensor
+    grid = np.asarray(list(host_devices), dtype=object).reshape(len(host_devices) // rt, 1, rt)
+    return mesh, jax.sharding.Mesh(grid, mesh.axis_names), True
   return mesh, mesh, False
 
 
@@ -185,13 +191,14 @@ def _sampler_programs(prefix: str, graphdef, params, mesh, rows: int, samples: i
 
 
 def build_programs(cfg, mesh_shape: config_lib.MeshShape, devices: Sequence,
-                   vocab: int = 0, only: Sequence[str] = ()) -> Built:
+                   vocab: int = 0, only: Sequence[str] = (), host_devices=None) -> Built:
   """The programs of validated run config `cfg` (its `model.hf_path`, if any, a directory with a
   config.json) on `devices` (a target's, `jaxrl.aot.targets.devices`) laid out by `mesh_shape`.
   `vocab`: the tokenizer's size where `model.vocab_size` is 0. `only`: program names to keep
-  (empty: all)."""
+  (empty: all). `host_devices`: one host's slice, for the programs each host runs alone on
+  several hosts (`_meshes`)."""
   with platform.building_for(devices):
-    mesh, rollout_mesh, per_process = _meshes(cfg, mesh_shape, devices)
+    mesh, rollout_mesh, per_process = _meshes(cfg, mesh_shape, devices, host_devices)
     model_cfg = model_config(cfg, vocab)
     graphdef, abstract = abstract_model(model_cfg)
     params = _spec(abstract, parallel.param_shardings(abstract, mesh))

@@ -140,6 +140,18 @@ def parse_target(name: str) -> Target:
                 f"1x{hosts}x{per_host}", kind)
 
 
+def host_target(t: Target) -> Target:
+  """One host of `t`: the slice a host's own programs are compiled for (a colocated run's
+  sampler on several hosts runs on each host's chips alone). A TPU host holds 4 chips, a GPU
+  host `chips // hosts` cards."""
+  if t.hosts == 1:
+    return t
+  if t.platform == "tpu":
+    per_chip = _TPU_SPECS[t.generation][3]
+    return parse_target(f"{t.generation}-{4 * per_chip}")
+  return parse_target(f"{t.generation}-{t.chips // t.hosts}")
+
+
 def gpu_target_config(t: Target) -> str:
   """The `GpuTargetConfigProto` text of `t`'s card for the CUDA plugin's deviceless compile:
   the published SM count, clock, HBM size and bandwidth, L2, compute capability 9.0, and the
