@@ -32,6 +32,16 @@ def test_target_names(name, chips, hosts, topology):
   assert 0 < t.usable_bytes < t.hbm_bytes
 
 
+@pytest.mark.parametrize("name,host,chips", [
+    ("v5e-16", "v5e-4", 4), ("v6e-256", "v6e-4", 4), ("v5p-32", "v5p-8", 4),
+    ("h100-8x2", "h100-8", 8), ("v5e-4", "v5e-4", 4), ("h200-1", "h200-1", 1),
+])
+def test_one_host_of_a_slice(name, host, chips):
+  # A TPU host holds 4 chips (v5p names them by TensorCores: v5p-8); a GPU host its N cards.
+  h = targets.host_target(targets.parse_target(name))
+  assert (h.name, h.chips, h.hosts) == (host, chips, 1)
+
+
 def test_target_figures_are_the_published_ones():
   # Per chip: v5e 16 GiB / 197 TFLOP/s / 819 GB/s; v5p 95 GiB / 459 / 2,765; H100 SXM 80 GB /
   # 989.4 / 3.35 TB/s.
