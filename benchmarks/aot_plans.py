@@ -29,8 +29,10 @@ GIB = 1 << 30
 MATRIX = [
     ("default", "jaxrl/recipes/default.py", ["v5e-4"]),
     ("0.5b", "configs/qwen2_5_0_5b_gsm8k.py", ["v5e-4", "v5p-8", "h100-1", "h200-1"]),
-    ("0.5b-lora", "configs/qwen2_5_0_5b_gsm8k_lora.py", ["v5e-4", "h100-1"]),
-    ("1b", "configs/llama3_2_1b_gsm8k.py", ["v5e-8", "v5e-16", "v5p-8", "h100-1", "h200-1"]),
+    ("0.5b-lora", "configs/qwen2_5_0_5b_gsm8k_lora.py", ["v5e-4", "v5p-8", "h100-1"]),
+    ("1b", "configs/llama3_2_1b_gsm8k.py", ["v5e-8", "v5e-16", "v5p-8", "v5p-16", "h100-1",
+                                            "h200-1"]),
+    ("1b-lora", "configs/llama3_2_1b_gsm8k_lora.py", ["v5e-16", "v5p-8", "v5p-16", "h200-1"]),
     ("7b", "configs/qwen2_5_7b_gsm8k.py", ["v5p-16", "v5p-32", "h100-8"]),
     ("30b-a3b", "configs/qwen3_30b_a3b_plan.py", ["v5p-64", "v5p-128", "h200-8x2"]),
 ]
