@@ -28,6 +28,9 @@ three things the CPU compiler does not, which the plan counts there:
   top-k / top-p filter's sort over the whole batch: values, indices, the sorted copy,
   cumulative sums and masks), not two; sorted 64 rows at a time (`filter_logits`) it holds about
   five, and XLA:GPU's compile about four (`SAMPLER_VOCAB_BUFFERS`).
+With the experts of a mixture-of-experts model split over devices, XLA:TPU gathers every shard's
+token-expert assignments to each device in the train step, and copies the experts' gate and up
+weights into another layout in the decode (the 30B-A3B plan recipe on v5p-64 and v5p-128).
 
 `rollout.lag` >= 1 runs them at once (their sum); lag 0 alternates them (the larger phase).
 Disaggregated (`mesh.rollout`), the sampler's part is on other devices: the larger of the two.
@@ -78,6 +81,10 @@ ACTIVATION_BUFFERS = {
     "none": ((11.5, 0.0, 6.5, 1.0), (0.0, 0.0, 0.0, 4.0)),
 }
 LOGPROB_CHUNK = 1024  # the fused log-prob's vocabulary chunk (`kernels.fused_logprob.xla`)
+# XLA:TPU's mixture-of-experts step with the experts split over devices (`ragged_dot`): buffers
+# of every shard's token-expert assignments x d_model (the tokens gathered to each device), at
+# its peak. Qwen3-30B-A3B plan recipe compiled for v5p-64 and v5p-128: 10 of 2 GiB each.
+TPU_GATHERED_DISPATCH_BUFFERS = 10
 # `[rows, vocab]` f32 buffers of the sampler's token pick at its peak (module docstring), from
 # the 0.5B recipe's decode (512 rows of 151,936, 0.29 GiB a buffer): CPU as calibrated there;
 # XLA:TPU on v5e-4 1.48 GiB; XLA:GPU for an H200 1.20 GiB (a deviceless compile sorts with XLA's
@@ -137,8 +144,12 @@ def expert_bytes(i: PlanInputs) -> dict[str, int]:
   k = i.experts_per_tok
   per_layer = i.positions * (3 * k * i.d_model * i.compute_bytes + 2 * i.experts * 4 + 3 * k * 4)
   kept = 1 if i.remat == "full" else i.layers
+  dispatch = kept * per_layer
+  if i.backend == "tpu" and i.expert_shards > 1:  # every shard's assignments on each device
+    gathered = k * i.completion_tokens * i.batch_shards * i.d_model * i.compute_bytes
+    dispatch = max(dispatch, TPU_GATHERED_DISPATCH_BUFFERS * gathered)
   return {"params": params, "optimizer": 2 * trained,
-          "gradients": trained * (2 if i.microbatches > 1 else 1), "dispatch": kept * per_layer}
+          "gradients": trained * (2 if i.microbatches > 1 else 1), "dispatch": dispatch}
 
 
 def activation_bytes(i: PlanInputs) -> int:
@@ -190,7 +201,11 @@ def plan_memory(i: PlanInputs) -> MemoryPlan:
       # Prefill's and decode's temporaries: about one layer's keys and values in flight (x 1.25)
       # and the token pick's [rows, vocab] f32 buffers (`SAMPLER_VOCAB_BUFFERS`; on CPU, compiled
       # for 4 shapes: within 25%, and the sampler's whole peak within 15%).
-      "sampler_temps": kv * 5 // (4 * i.layers) + vocab_buffers * i.kv_rows * i.vocab * 4,
+      "sampler_temps": kv * 5 // (4 * i.layers) + vocab_buffers * i.kv_rows * i.vocab * 4
+      # XLA:TPU's decode copies the experts' gate and up weights into the layout its grouped
+      # products read (the 30B-A3B plan recipe's decode on v5p-64: 9 GiB of temporaries).
+      + (2 * i.layers * i.experts * i.d_model * i.expert_width * i.rollout_param_bytes
+         // i.rollout_param_shards if i.backend == "tpu" and i.experts else 0),
   }
   train = sum(parts[k] for k in TRAIN_PARTS)
   rollout = sum(parts[k] for k in ROLLOUT_PARTS)

@@ -61,6 +61,7 @@ class PlanInputs:
   expert_width: int = 0
   expert_params: int = 0
   expert_shards: int = 1
+  batch_shards: int = 1  # devices a batch's rows are split over ('data' x 'fsdp')
   backend: str = "cpu"  # the platform the plan is for: "cpu", "gpu" or "tpu" (module docstring)
 
 
@@ -226,4 +227,4 @@ def inputs_from_config(good: Mapping[str, Any], mesh: MeshShape, backend: str = 
       # `parallel.sharding`: the experts' axis over 'fsdp', their width over 'tensor'.
       expert_shards=(mesh.fsdp if e and e % mesh.fsdp == 0 else 1)
       * (mesh.tensor if f and f % mesh.tensor == 0 else 1),
-      backend=backend)
+      batch_shards=shards, backend=backend)
