@@ -125,7 +125,7 @@ def make_plan(cfg, target: Target, mesh_shape, devices, only=(), progress=print)
       "not_built": list(built.not_built),
       "machine": {"cpus": os.cpu_count(), "platform": host_platform.platform()},
       "wall_s": round(time.perf_counter() - t0, 1),
-      "label": "compiled (XLA memory per chip) and estimated (times, MFU, tokens/s); "
+      "label": "compiled (XLA memory per chip) and estimated (step time, tokens/s); "
                "nothing here was measured on the accelerator",
   }
 
