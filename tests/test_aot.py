@@ -167,6 +167,8 @@ def _plan(*args):
      "no config.json in '/nowhere/Qwen9-1B', and no shipped shape of that name "
      "(Llama-3.2-1B-Instruct, Qwen2.5-0.5B-Instruct, Qwen2.5-7B-Instruct"),
     (["--target", "v5e-4", "--config.rollout.lagg=1"], "config.rollout.lagg"),
+    (["--target", "v5e-4", "--programs", "train_step,bogus"],
+     "jaxrl: --programs: unknown program(s) 'bogus'; known: train_step, publish"),
 ])
 def test_bad_input_is_one_line_before_any_compile(args, needle, tmp_path):
   r = _plan(*args)

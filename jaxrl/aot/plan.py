@@ -85,6 +85,9 @@ def make_plan(cfg, target: Target, mesh_shape, devices, only=(), progress=print)
   lag = lag_bound(cfg.rollout)  # `lag=auto`: its bound, the most a run may hold
   peak = report.live_peak(compiled, built, lag, colocated)
   fits, lines = report.verdict(compiled, peak, target, cfg)
+  if only:  # a subset: the peak and the verdict count those programs alone
+    lines.append(f"only {', '.join(compiled)} compiled (--programs): the peak and the verdict "
+                 "leave the others out")
   est = report.estimates(compiled, built, cfg, target)
   lib = library_plan(cfg, mesh_shape, target, vocab)
   step = compiled.get("train_step")

@@ -46,6 +46,8 @@ from jaxrl.rollout.static_sampler import make_sampler
 from jaxrl.run.parts import with_run_settings
 
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "shapes")
+# Every program a plan may compile, in the order it compiles them (`--programs` names some).
+PROGRAM_NAMES = ("train_step", "publish", "prefill", "decode", "val_prefill", "val_decode")
 
 
 @dataclasses.dataclass(frozen=True)

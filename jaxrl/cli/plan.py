@@ -51,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
   targets.prepare_environment(target.platform)  # before JAX starts a backend
   from jaxrl import config as config_lib
   from jaxrl.aot import plan as plan_lib
+  from jaxrl.aot.programs import PROGRAM_NAMES
   from jaxrl.cli import common
+
+  only = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+  unknown = [p for p in only if p not in PROGRAM_NAMES]
+  if unknown:
+    return _fail(f"--programs: unknown program(s) {', '.join(map(repr, unknown))}; known: "
+                 f"{', '.join(PROGRAM_NAMES)}")
 
   try:
     problems: list[str] = []
@@ -72,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
   if missing:
     return _fail(f"target {target.name}: {missing}")
   devices = targets.devices(target)
-  only = tuple(p.strip() for p in args.programs.split(",") if p.strip())
   plan = plan_lib.make_plan(cfg, target, mesh_shape, devices, only, progress=say)
   if args.json:
     print(json.dumps(plan, default=str))
